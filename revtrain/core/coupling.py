@@ -1,0 +1,176 @@
+"""Couplings: how the output of ``F``/``G`` is combined with one half of the input.
+
+A coupling is the invertible map ``y = c(x, h)`` of one half ``x`` given ``h``, the output
+of ``F`` or ``G`` on the *other* half. A reversible block applies it twice::
+
+    y1 = c(x1, F(x2))        x2 = c⁻¹(y2, G(y1))
+    y2 = c(x2, G(y1))        x1 = c⁻¹(y1, F(x2))
+
+Writing your own coupling means subclassing :class:`Coupling` and implementing
+:meth:`Coupling.forward` and :meth:`Coupling.inverse`; :meth:`Coupling.vjp` (the gradient
+through the coupling itself) and :meth:`Coupling.check_shapes` have generic defaults.
+Couplings hold no parameters: put learnable parts in ``F`` and ``G``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Union
+
+import torch
+from torch import Tensor
+
+from revtrain.errors import ReversibilityError
+
+__all__ = ["Coupling", "AdditiveCoupling", "AffineCoupling", "get_coupling", "CouplingLike"]
+
+# What F or G may return: a tensor, or a tuple of tensors for couplings that take several.
+FOut = Union[Tensor, tuple[Tensor, ...]]
+
+
+class Coupling:
+    """Base class of couplings; subclasses implement ``forward`` and ``inverse``."""
+
+    name: str = "custom"
+
+    def forward(self, x: Tensor, h: FOut) -> Tensor:
+        """Return ``y = c(x, h)``; ``h`` is the output of F or G on the other half."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward(x, h)")
+
+    def inverse(self, y: Tensor, h: FOut) -> Tensor:
+        """Return ``x`` such that ``forward(x, h) == y``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement inverse(y, h)")
+
+    def vjp(self, x: Tensor, h: FOut, dy: Tensor) -> tuple[Tensor, FOut]:
+        """Return ``(dL/dx, dL/dh)`` given ``dL/dy``; the default differentiates ``forward``."""
+        with torch.enable_grad():
+            x_ = x.detach().requires_grad_(True)
+            hs = _as_tuple(h)
+            hs_ = tuple(t.detach().requires_grad_(True) for t in hs)
+            y = self.forward(x_, hs_ if isinstance(h, tuple) else hs_[0])
+            grads = torch.autograd.grad(y, (x_, *hs_), dy, allow_unused=True)
+        dx = grads[0] if grads[0] is not None else torch.zeros_like(x)
+        dhs = tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads[1:], hs))
+        return dx, (dhs if isinstance(h, tuple) else dhs[0])
+
+    def check_shapes(self, x: Tensor, h: FOut, split_dim: int, fn_name: str) -> None:
+        """Raise :class:`ReversibilityError` unless ``h`` fits ``x``; default: same shape."""
+        if not isinstance(h, Tensor) or h.shape != x.shape:
+            got = _describe(h)
+            raise ReversibilityError(
+                f"{fn_name} returned {got} for an input half of shape {tuple(x.shape)}; the "
+                f"{self.name} coupling needs {fn_name} to return one tensor of the same shape as "
+                f"its input half. Make {fn_name} map C/2 channels to C/2 channels and keep the "
+                "spatial size (padding='same', stride 1)."
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class AdditiveCoupling(Coupling):
+    """RevNet's coupling ``y = x + h``; exact to rounding, no extra work in backward."""
+
+    name = "additive"
+
+    def forward(self, x: Tensor, h: FOut) -> Tensor:
+        return x + h
+
+    def inverse(self, y: Tensor, h: FOut) -> Tensor:
+        return y - h
+
+    def vjp(self, x: Tensor, h: FOut, dy: Tensor) -> tuple[Tensor, FOut]:
+        return dy, dy
+
+
+class AffineCoupling(Coupling):
+    """Affine coupling ``y = x * exp(s) + t`` (MemCNN, Glow); ``h`` holds ``(s_raw, t)``.
+
+    ``h`` is either a tuple ``(s_raw, t)`` or one tensor with twice the channels of ``x``
+    along the split dimension, read as ``s_raw`` then ``t``.
+
+    Numerical safety: the log-scale is soft-clamped, ``s = b * tanh(s_raw / b)`` with
+    ``b = scale_bound``, so ``exp(s)`` lies in ``[e^-b, e^b]``. The forward can neither
+    overflow nor divide by a vanishing scale in the inverse, and the clamp is smooth, so
+    gradients stay finite; ``s_raw ≈ s`` near zero, which keeps the identity easy to learn.
+    """
+
+    name = "affine"
+
+    def __init__(self, scale_bound: float = 2.0, split_dim: int = 1) -> None:
+        if not (scale_bound > 0 and math.isfinite(scale_bound)):
+            raise ValueError(f"scale_bound must be a positive finite number, got {scale_bound}")
+        self.scale_bound = float(scale_bound)
+        self.split_dim = split_dim
+
+    def _log_scale_and_shift(self, h: FOut) -> tuple[Tensor, Tensor]:
+        if isinstance(h, tuple):
+            s_raw, t = h
+        else:
+            s_raw, t = h.chunk(2, dim=self.split_dim)
+        b = self.scale_bound
+        return b * torch.tanh(s_raw / b), t
+
+    def forward(self, x: Tensor, h: FOut) -> Tensor:
+        s, t = self._log_scale_and_shift(h)
+        return x * torch.exp(s) + t
+
+    def inverse(self, y: Tensor, h: FOut) -> Tensor:
+        s, t = self._log_scale_and_shift(h)
+        return (y - t) * torch.exp(-s)
+
+    def check_shapes(self, x: Tensor, h: FOut, split_dim: int, fn_name: str) -> None:
+        fix = (
+            f"Make {fn_name} return either a tuple (s, t) of two tensors shaped like its input "
+            f"half, or one tensor with twice the channels along dim {split_dim} (s then t)."
+        )
+        if isinstance(h, tuple):
+            if len(h) != 2 or any(not isinstance(p, Tensor) or p.shape != x.shape for p in h):
+                raise ReversibilityError(
+                    f"{fn_name} returned {_describe(h)} for an input half of shape "
+                    f"{tuple(x.shape)}; the affine coupling needs (s, t). {fix}"
+                )
+            return
+        expected = list(x.shape)
+        expected[split_dim] *= 2
+        if not isinstance(h, Tensor) or list(h.shape) != expected:
+            raise ReversibilityError(
+                f"{fn_name} returned {_describe(h)} for an input half of shape {tuple(x.shape)}; "
+                f"the affine coupling needs shape {tuple(expected)}. {fix}"
+            )
+
+    def __repr__(self) -> str:
+        return f"AffineCoupling(scale_bound={self.scale_bound})"
+
+
+CouplingLike = Union[str, Coupling]
+
+
+def get_coupling(coupling: CouplingLike, split_dim: int = 1) -> Coupling:
+    """Return a :class:`Coupling` from a name (``"additive"``, ``"affine"``) or an instance."""
+    if isinstance(coupling, Coupling):
+        if isinstance(coupling, torch.nn.Module) and any(True for _ in coupling.parameters()):
+            raise ReversibilityError("couplings must not hold parameters; move them into F or G")
+        if isinstance(coupling, AffineCoupling):
+            coupling.split_dim = split_dim
+        return coupling
+    if coupling == "additive":
+        return AdditiveCoupling()
+    if coupling == "affine":
+        return AffineCoupling(split_dim=split_dim)
+    raise ValueError(
+        f"unknown coupling {coupling!r}; use 'additive', 'affine', or an instance of a "
+        "revtrain.core.Coupling subclass implementing forward(x, h) and inverse(y, h)"
+    )
+
+
+def _as_tuple(h: FOut) -> tuple[Tensor, ...]:
+    return h if isinstance(h, tuple) else (h,)
+
+
+def _describe(h: object) -> str:
+    if isinstance(h, Tensor):
+        return f"a tensor of shape {tuple(h.shape)}"
+    if isinstance(h, tuple):
+        return "a tuple of " + ", ".join(_describe(p) for p in h)
+    return f"a {type(h).__name__}"

@@ -1,0 +1,48 @@
+"""Find the reversible blocks of any model and read or set their modes by module name."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from revtrain.core.block import Mode, ReversibleBlock, normalize_mode
+
+__all__ = ["reversible_blocks", "set_modes", "get_modes"]
+
+
+def reversible_blocks(model: nn.Module) -> list[tuple[str, ReversibleBlock]]:
+    """Every ``ReversibleBlock`` in ``model``, in module order, with its ``named_modules`` name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ReversibleBlock)]
+
+
+def get_modes(model: nn.Module) -> dict[str, Mode]:
+    """The mode of every reversible block, keyed by module name."""
+    return {name: block.mode for name, block in reversible_blocks(model)}
+
+
+def set_modes(model: nn.Module, modes: str | Mapping[str, str]) -> dict[str, Mode]:
+    """Set every block to one mode (``"M"``/``"C"``), or blocks by name from a mapping.
+
+    A mapping must name only blocks that exist; blocks it does not name keep their mode.
+    Returns the modes now in force. Raises ``ValueError`` naming unknown blocks (the mapping
+    was probably made for another model) before changing anything.
+    """
+    blocks = dict(reversible_blocks(model))
+    if isinstance(modes, str):
+        mode = normalize_mode(modes)
+        for block in blocks.values():
+            block.mode = mode
+        return get_modes(model)
+    unknown = sorted(set(modes) - set(blocks))
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+        known = ", ".join(list(blocks)[:3]) + (" ..." if len(blocks) > 3 else "")
+        raise ValueError(
+            f"{len(unknown)} block name(s) not in this model: {shown}. The model's reversible "
+            f"blocks are named like: {known or '(none)'}. Was the plan made for another model?"
+        )
+    normalized = {name: normalize_mode(m) for name, m in modes.items()}
+    for name, mode in normalized.items():
+        blocks[name].mode = mode
+    return get_modes(model)

@@ -1,0 +1,116 @@
+"""State that a rebuild in backward must reproduce or leave alone.
+
+Three things differ between running ``F`` in the forward pass and running it again in
+backward, and each is handled here:
+
+- random numbers (dropout): :class:`RngState` captures the generators before ``F`` runs and
+  replays them around the rebuild, then puts the generators back as they were;
+- autocast: :class:`AutocastState` records the forward's autocast settings and re-enters them;
+- batch-norm running statistics: :func:`frozen_running_stats` keeps the rebuild from updating
+  them a second time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _NormBase
+
+__all__ = ["RngState", "AutocastState", "frozen_running_stats"]
+
+
+@dataclass(frozen=True)
+class RngState:
+    """The CPU generator state and, where used, the CUDA generator state of one device."""
+
+    cpu: Tensor
+    cuda_device: int | None
+    cuda: Tensor | None
+
+    @classmethod
+    def capture(cls, device: torch.device) -> RngState:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            return cls(torch.get_rng_state(), index, torch.cuda.get_rng_state(index))
+        return cls(torch.get_rng_state(), None, None)
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        """Run the body with the captured generators; restore the current ones afterwards."""
+        cpu_now = torch.get_rng_state()
+        cuda_now = torch.cuda.get_rng_state(self.cuda_device) if self.cuda is not None else None
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.cuda_device)
+        try:
+            yield
+        finally:
+            torch.set_rng_state(cpu_now)
+            if cuda_now is not None:
+                torch.cuda.set_rng_state(cuda_now, self.cuda_device)
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """Autocast settings for one device type, read at forward time."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+
+    @classmethod
+    def capture(cls, device: torch.device) -> AutocastState:
+        device_type = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
+        return cls(
+            device_type=device_type,
+            enabled=torch.is_autocast_enabled(device_type),
+            dtype=torch.get_autocast_dtype(device_type),
+            cache_enabled=torch.is_autocast_cache_enabled(),
+        )
+
+    def context(self) -> contextlib.AbstractContextManager[None]:
+        return torch.autocast(
+            self.device_type, dtype=self.dtype, enabled=self.enabled, cache_enabled=self.cache_enabled
+        )
+
+
+def _stat_norms(modules: Iterable[nn.Module]) -> list[_NormBase]:
+    return [
+        m
+        for module in modules
+        for m in module.modules()
+        if isinstance(m, _NormBase) and m.training and m.track_running_stats
+    ]
+
+
+@contextlib.contextmanager
+def frozen_running_stats(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Leave the running statistics of every norm layer in ``modules`` as they were.
+
+    Batch norm in training mode normalises with the statistics of the batch it sees, so a
+    rebuild computes the same outputs as the forward; only the running averages would be
+    updated a second time, and those are restored here.
+    """
+    norms = _stat_norms(modules)
+    saved = [
+        (m.running_mean.clone() if m.running_mean is not None else None,
+         m.running_var.clone() if m.running_var is not None else None,
+         m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
+        for m in norms
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, (mean, var, count) in zip(norms, saved):
+                if mean is not None:
+                    m.running_mean.copy_(mean)
+                if var is not None:
+                    m.running_var.copy_(var)
+                if count is not None:
+                    m.num_batches_tracked.copy_(count)

@@ -1,0 +1,85 @@
+"""``ReversibleSequence``: a stack of reversible blocks whose M-mode runs keep one output."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from revtrain.core.block import ReversibleBlock, split_halves
+from revtrain.core.function import check_pair, run_m_mode
+
+__all__ = ["ReversibleSequence"]
+
+
+class ReversibleSequence(nn.Module):
+    """Reversible blocks applied in order, with each block's mode respected.
+
+    Consecutive M-mode blocks run as one autograd function that keeps only the output of the
+    last of them, so the activation memory of an all-M stack does not grow with depth.
+    C-mode blocks between them run as ordinary layers. The sequence itself is reversible and
+    mixes with ordinary layers in ``nn.Sequential``.
+
+    Args:
+        *blocks: ``ReversibleBlock`` instances, or a single iterable of them. All must share
+            ``split_dim`` (the sequence splits and concatenates along it).
+    """
+
+    def __init__(self, *blocks: ReversibleBlock | Iterable[ReversibleBlock]) -> None:
+        super().__init__()
+        if len(blocks) == 1 and not isinstance(blocks[0], nn.Module):
+            blocks = tuple(blocks[0])  # type: ignore[arg-type]
+        if not blocks:
+            raise ValueError("ReversibleSequence needs at least one ReversibleBlock")
+        for i, block in enumerate(blocks):
+            if not isinstance(block, ReversibleBlock):
+                raise TypeError(
+                    f"ReversibleSequence holds only ReversibleBlock instances; item {i} is a "
+                    f"{type(block).__name__}. Put ordinary layers around the sequence in an "
+                    "nn.Sequential instead"
+                )
+        split_dims = {block.split_dim for block in blocks}  # type: ignore[union-attr]
+        if len(split_dims) != 1:
+            raise ValueError(f"all blocks of a ReversibleSequence must share split_dim; got {split_dims}")
+        self.blocks = nn.ModuleList(blocks)  # type: ignore[arg-type]
+        self.split_dim = split_dims.pop()
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[ReversibleBlock]:
+        return iter(self.blocks)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> ReversibleBlock:
+        return self.blocks[index]  # type: ignore[return-value]
+
+    def forward(self, x: Tensor, x2: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        pair = x2 is not None
+        x1, x2 = (x, x2) if pair else split_halves(x, self.split_dim)
+        check_pair(x1, x2)
+        blocks: list[ReversibleBlock] = list(self.blocks)  # type: ignore[arg-type]
+        grad = torch.is_grad_enabled()
+        i, n = 0, len(blocks)
+        while i < n:
+            if grad and blocks[i].mode == "M":
+                j = i
+                while j < n and blocks[j].mode == "M":
+                    j += 1
+                if j == n and not pair:
+                    # The last run concatenates inside the function: one saved copy of the output.
+                    return run_m_mode(tuple(blocks[i:j]), x1, x2, concat_dim=self.split_dim)
+                x1, x2 = run_m_mode(tuple(blocks[i:j]), x1, x2, concat_dim=None)
+                i = j
+            else:
+                x1, x2 = blocks[i](x1, x2)
+                i += 1
+        return (x1, x2) if pair else torch.cat([x1, x2], dim=self.split_dim)
+
+    def inverse(self, y: Tensor, y2: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """Rebuild the input from the output, block by block in reverse."""
+        pair = y2 is not None
+        y1, y2 = (y, y2) if pair else split_halves(y, self.split_dim)
+        for block in reversed(self.blocks):
+            y1, y2 = block.inverse_pair(y1, y2)  # type: ignore[operator]
+        return (y1, y2) if pair else torch.cat([y1, y2], dim=self.split_dim)

@@ -1,0 +1,36 @@
+"""Exceptions and warnings raised by revtrain.
+
+Every error names the problem and the fix. They subclass the built-in exception a
+caller would naturally catch (``ValueError`` for bad input, ``RuntimeError`` for
+failures during a run), so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RevtrainError",
+    "ReversibilityError",
+    "NotInvertibleError",
+    "ReconstructionError",
+    "ReconstructionDriftWarning",
+]
+
+
+class RevtrainError(Exception):
+    """Base class of every exception raised by revtrain."""
+
+
+class ReversibilityError(RevtrainError, ValueError):
+    """A reversible block was built or called in a way that cannot be inverted exactly."""
+
+
+class NotInvertibleError(ReversibilityError):
+    """``verify_invertible`` found blocks whose inverse does not rebuild their input."""
+
+
+class ReconstructionError(RevtrainError, RuntimeError):
+    """Rebuilding a block's input during backward failed (non-finite values, drift, in-place edits)."""
+
+
+class ReconstructionDriftWarning(UserWarning):
+    """The rebuilt input of a block drifted from the original by more than the block's tolerance."""
