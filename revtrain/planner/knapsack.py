@@ -28,10 +28,14 @@ import numpy as np
 __all__ = ["KnapsackSolution", "solve_knapsack"]
 
 # Work bound for the automatic granularity: table cells (items x capacity units). Each cell costs
-# a few numpy element operations; 2**26 cells take ~0.05 s on one core of a laptop-class CPU.
+# a few numpy element operations; 2**26 cells take ~0.05-0.1 s on one CPU core.
 _MAX_CELLS = 2**26
 # Upper bound on capacity units whatever the item count (two float64 rows of this length).
 _MAX_UNITS = 2**20
+# Refuse an explicit granularity whose table would not fit in memory: ~1 GiB of float64 rows,
+# ~1 GiB of bit-packed keep matrix.
+_LIMIT_UNITS = 2**26
+_LIMIT_CELLS = 2**33
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,8 @@ def solve_knapsack(
 
     Raises:
         ValueError: on a negative capacity or weight, a non-finite value, lengths that
-            differ, or a granularity below 1.
+            differ, a granularity below 1, or one so fine that the table would not fit in
+            memory (the message names the smallest acceptable one).
         TypeError: on a weight, capacity or granularity that is not an integer.
     """
     vals, wts, cap, g_user = _validate(values, weights, capacity, granularity)
@@ -96,7 +101,15 @@ def solve_knapsack(
     else:
         g = _auto_granularity([wts[i] for i in cand], cap) if g_user is None else g_user
         exact = all(wts[i] % g == 0 for i in cand)
-        taken = _dp_choose([vals[i] for i in cand], [-(-wts[i] // g) for i in cand], cap // g)
+        units = [-(-wts[i] // g) for i in cand]
+        cap_units = min(cap // g, sum(units))  # more units than all items need change nothing
+        if cap_units > _LIMIT_UNITS or cap_units * len(cand) > _LIMIT_CELLS:
+            smallest = max(-(-cap // _LIMIT_UNITS), -(-cap * len(cand) // _LIMIT_CELLS))
+            raise ValueError(
+                f"granularity {g} makes a table of {len(cand)} items x {cap_units} capacity units, "
+                f"too large to hold in memory; pass granularity >= {smallest}, or None to choose one"
+            )
+        taken = _dp_choose([vals[i] for i in cand], units, cap_units)
         chosen = {cand[k] for k in taken}
 
     if not exact:

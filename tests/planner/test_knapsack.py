@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from revtrain.planner import KnapsackSolution, solve_knapsack
@@ -113,6 +113,8 @@ def test_dp_core_is_optimal_in_units(seed, brute_force):
     granularity=st.one_of(st.none(), st.integers(1, 2**36)),
 )
 def test_any_granularity_stays_within_capacity(data, capacity, granularity, brute_force):
+    # A table too fine to hold in memory is refused (tested below); keep to sane ones here.
+    assume(granularity is None or capacity // granularity <= 2**22)
     values = [v for v, _ in data]
     weights = [w for _, w in data]
     sol = solve_knapsack(values, weights, capacity, granularity=granularity)
@@ -211,3 +213,10 @@ def test_numpy_inputs_are_accepted():
 def test_bad_input_is_rejected_clearly(values, weights, capacity, granularity, error, match):
     with pytest.raises(error, match=match):
         solve_knapsack(values, weights, capacity, granularity=granularity)
+
+
+def test_explicit_granularity_too_fine_for_memory_is_refused():
+    with pytest.raises(ValueError, match=r"too large to hold in memory; pass granularity >= 64"):
+        solve_knapsack([1.0, 1.0], [1, 2**32], 2**32, granularity=1)
+    sol = solve_knapsack([1.0, 1.0], [1, 2**32], 2**32, granularity=2**12)
+    assert sol.chosen == (1,) or sol.chosen == (0,)
