@@ -104,6 +104,7 @@ class _MModeRun(torch.autograd.Function):
         ctx.records = records
         ctx.concat_dim = concat_dim
         ctx.autocast = AutocastState.capture(device)
+        ctx.set_materialize_grads(False)
         if concat_dim is None:
             ctx.save_for_backward(x1, x2)
             return x1, x2
@@ -129,7 +130,7 @@ class _MModeRun(torch.autograd.Function):
             dy1, dy2 = grads
         else:
             y1, y2 = saved[0].detach().chunk(2, dim=ctx.concat_dim)
-            dy1, dy2 = grads[0].chunk(2, dim=ctx.concat_dim)
+            dy1, dy2 = (None, None) if grads[0] is None else grads[0].chunk(2, dim=ctx.concat_dim)
 
         blocks: tuple[ReversibleBlock, ...] = ctx.blocks
         n = len(blocks)
@@ -153,6 +154,7 @@ class _MModeRun(torch.autograd.Function):
             _check_rebuilds(blocks, ctx.records, rebuilt_norms)
         dx1 = dy1 if ctx.needs_input_grad[2] else None
         dx2 = dy2 if ctx.needs_input_grad[3] else None
+
         flat = [g for block_grads in param_grads for g in block_grads]
         return (None, None, dx1, dx2, *flat)
 
@@ -162,10 +164,10 @@ def _block_backward(
     record: _BlockRecord,
     y1: Tensor,
     y2: Tensor,
-    dy1: Tensor,
-    dy2: Tensor,
+    dy1: Tensor | None,
+    dy2: Tensor | None,
     need_dx2: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor | None]]:
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, list[Tensor | None]]:
     """Rebuild one block's input from its output and backpropagate through it."""
     coupling = block.coupling
     f_params, g_params = _trainable(block.f), _trainable(block.g)
@@ -174,30 +176,42 @@ def _block_backward(
             "parameters of a reversible block changed requires_grad between forward and "
             "backward; set requires_grad before the forward pass"
         )
+    # A gradient of None means "this output was not used": like plain autograd, the functions
+    # that only feed it then get no gradient (None, not zeros), and their graph is not built.
     # G: one run on y1 builds its graph; rebuild x2 and backpropagate dy2 through G.
-    z1 = y1.detach().requires_grad_(True)
-    with _replay(record.rng_g):
+    z1 = y1.detach().requires_grad_(dy2 is not None)
+    with _replay(record.rng_g), torch.set_grad_enabled(dy2 is not None):
         h_g = block.g(z1)
     h_g_value = _detached(h_g)
     with torch.no_grad():
         x2 = coupling.inverse(y2, h_g_value)
-    dx2, dh_g = coupling.vjp(x2, h_g_value, dy2)
-    dz1, *g_grads = _grad(h_g, [z1, *g_params], dh_g)
-    dz1 = _add(dy1, dz1)
-    del h_g, h_g_value, dh_g
+    dx2: Tensor | None = None
+    g_grads: list[Tensor | None] = [None] * len(g_params)
+    dz1 = dy1
+    if dy2 is not None:
+        dx2, dh_g = coupling.vjp(x2, h_g_value, dy2)
+        dz1_g, *g_grads = _grad(h_g, [z1, *g_params], dh_g)
+        dz1 = dz1_g if dy1 is None else _add(dy1, dz1_g)
+        del dh_g
+    del h_g, h_g_value
 
     # F: one run on the rebuilt x2 builds its graph; rebuild x1 and backpropagate dz1 through F.
-    x2 = x2.detach().requires_grad_(need_dx2)
-    with _replay(record.rng_f):
+    build_f = dz1 is not None
+    x2 = x2.detach().requires_grad_(need_dx2 and build_f)
+    with _replay(record.rng_f), torch.set_grad_enabled(build_f):
         h_f = block.f(x2)
     h_f_value = _detached(h_f)
     with torch.no_grad():
         x1 = coupling.inverse(z1.detach(), h_f_value)
-    dx1, dh_f = coupling.vjp(x1, h_f_value, dz1)
-    f_inputs = [x2, *f_params] if need_dx2 else list(f_params)
-    f_grads = _grad(h_f, f_inputs, dh_f)
-    if need_dx2:
-        dx2 = _add(dx2, f_grads.pop(0))
+    dx1: Tensor | None = None
+    f_grads: list[Tensor | None] = [None] * len(f_params)
+    if build_f:
+        dx1, dh_f = coupling.vjp(x1, h_f_value, dz1)
+        f_inputs = [x2, *f_params] if need_dx2 else list(f_params)
+        f_grads = _grad(h_f, f_inputs, dh_f)
+        if need_dx2:
+            dx2_f = f_grads.pop(0)
+            dx2 = dx2_f if dx2 is None else _add(dx2, dx2_f)
     return x1, x2.detach(), dx1, dx2, [*f_grads, *g_grads]
 
 
