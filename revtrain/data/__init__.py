@@ -1,0 +1,185 @@
+"""Datasets and deterministic, resumable loaders.
+
+One call builds everything a training run needs::
+
+    train_loader, test_loader, info = build_dataloaders("digits", batch_size=128, image_size=16)
+    model = create_model("revnet38", in_channels=info.in_channels, num_classes=info.num_classes)
+
+Datasets: ``"digits"`` (scikit-learn's bundled digits, offline, the default), ``"cifar10"`` and
+``"cifar100"`` (python batches in a local folder), ``"synthetic"`` (seeded random data of any
+shape). The loaders are :class:`ResumableLoader`: batch ``b`` of epoch ``e`` depends only on
+``(seed, e, b)``, and ``state_dict()`` / ``load_state_dict()`` restore the exact position after a
+checkpoint; see :mod:`revtrain.data.loader` for the trainer loop.
+"""
+
+from __future__ import annotations
+
+import os
+
+from revtrain.data.cifar import (
+    CifarArrays,
+    build_cifar10,
+    build_cifar100,
+    default_data_dir,
+    load_cifar10,
+    load_cifar100,
+)
+from revtrain.data.digits import build_digits, load_digits_split
+from revtrain.data.errors import DatasetError, DatasetFormatError, DatasetNotFoundError
+from revtrain.data.loader import DatasetInfo, DatasetSplits, InMemoryDataset, ResumableLoader, derive_seed
+from revtrain.data.synthetic import build_synthetic, make_synthetic
+from revtrain.data.transforms import BatchTransform
+
+__all__ = [
+    "DATASETS",
+    "build_dataloaders",
+    "build_datasets",
+    "BatchTransform",
+    "CifarArrays",
+    "DatasetError",
+    "DatasetFormatError",
+    "DatasetInfo",
+    "DatasetNotFoundError",
+    "DatasetSplits",
+    "InMemoryDataset",
+    "ResumableLoader",
+    "build_cifar10",
+    "build_cifar100",
+    "build_digits",
+    "build_synthetic",
+    "default_data_dir",
+    "derive_seed",
+    "load_cifar10",
+    "load_cifar100",
+    "load_digits_split",
+    "make_synthetic",
+]
+
+DATASETS = ("digits", "cifar10", "cifar100", "synthetic")
+"""Names accepted by :func:`build_dataloaders` (the CLI's ``--dataset`` choices)."""
+
+
+def build_datasets(
+    name: str = "digits",
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+    augment: bool | None = None,
+    image_size: int | None = None,
+    input_shape: tuple[int, ...] | None = None,
+    num_classes: int | None = None,
+    train_size: int | None = None,
+    test_size: int | None = None,
+    seed: int = 0,
+) -> DatasetSplits:
+    """Build the train and test splits of a dataset by name; arguments as in :func:`build_dataloaders`."""
+    key = name.lower().replace("-", "").replace("_", "")
+    synthetic_only = {
+        "input_shape": input_shape,
+        "num_classes": num_classes,
+        "train_size": train_size,
+        "test_size": test_size,
+    }
+    if key != "synthetic":
+        given = [k for k, v in synthetic_only.items() if v is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to the 'synthetic' dataset, not {name!r}")
+    if key == "digits":
+        return build_digits(image_size=image_size or 8, augment=bool(augment))
+    if key in ("cifar10", "cifar100"):
+        if image_size not in (None, 32):
+            raise ValueError(f"{name} images are 32x32; image_size={image_size} is not supported")
+        build = build_cifar10 if key == "cifar10" else build_cifar100
+        return build(data_dir, augment=True if augment is None else augment)
+    if key == "synthetic":
+        if augment:
+            raise ValueError("the 'synthetic' dataset has no augmentation; leave augment unset")
+        if image_size is not None and input_shape is not None:
+            raise ValueError("give either image_size or input_shape for 'synthetic', not both")
+        shape = input_shape or (3, image_size or 32, image_size or 32)
+        return build_synthetic(
+            input_shape=shape,
+            num_classes=num_classes or 10,
+            train_size=train_size or 1024,
+            test_size=test_size or 256,
+            seed=seed,
+        )
+    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+def build_dataloaders(
+    name: str = "digits",
+    *,
+    batch_size: int = 128,
+    eval_batch_size: int | None = None,
+    data_dir: str | os.PathLike[str] | None = None,
+    num_workers: int = 0,
+    seed: int = 0,
+    augment: bool | None = None,
+    image_size: int | None = None,
+    drop_last: bool = False,
+    pin_memory: bool = False,
+    input_shape: tuple[int, ...] | None = None,
+    num_classes: int | None = None,
+    train_size: int | None = None,
+    test_size: int | None = None,
+) -> tuple[ResumableLoader, ResumableLoader, DatasetInfo]:
+    """Build the train and test loaders of a dataset.
+
+    Args:
+        name: ``"digits"``, ``"cifar10"``, ``"cifar100"`` or ``"synthetic"``.
+        batch_size: Training batch size.
+        eval_batch_size: Test batch size; defaults to ``batch_size``.
+        data_dir: Folder holding the CIFAR archives' extracted folders; defaults to
+            ``$REVTRAIN_DATA_DIR`` or ``./data``. Unused by digits and synthetic.
+        num_workers: Worker processes per loader; 0 builds batches in the calling process.
+        seed: Seeds the training order and augmentation (and the synthetic data). The digits
+            train/test split is fixed and does not depend on it.
+        augment: Training augmentation; ``None`` takes the dataset's default (CIFAR: crop and
+            flip on; digits: off, ``True`` turns on one-pixel shifts; synthetic: none).
+        image_size: Side of the images: digits are upsampled to it (default 8); CIFAR only
+            accepts 32; synthetic uses ``(3, image_size, image_size)``.
+        drop_last: Drop the last, smaller training batch.
+        pin_memory: Pin batches in page-locked memory (useful with a GPU).
+        input_shape: Synthetic only: shape of one example (default ``(3, 32, 32)``).
+        num_classes: Synthetic only: number of classes (default 10).
+        train_size: Synthetic only: training examples (default 1024).
+        test_size: Synthetic only: test examples (default 256).
+
+    Returns:
+        ``(train_loader, test_loader, info)``. The train loader shuffles and augments; the test
+        loader serves the test split in stored order without augmentation.
+
+    Raises:
+        DatasetNotFoundError: A CIFAR folder or file is missing (the message says how to get it).
+        DatasetFormatError: A CIFAR file is malformed.
+        ValueError: Unknown name or an option that does not apply to the dataset.
+    """
+    splits = build_datasets(
+        name,
+        data_dir=data_dir,
+        augment=augment,
+        image_size=image_size,
+        input_shape=input_shape,
+        num_classes=num_classes,
+        train_size=train_size,
+        test_size=test_size,
+        seed=seed,
+    )
+    train = ResumableLoader(
+        splits.train,
+        batch_size=batch_size,
+        shuffle=True,
+        seed=seed,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
+    test = ResumableLoader(
+        splits.test,
+        batch_size=eval_batch_size or batch_size,
+        shuffle=False,
+        seed=seed,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+    )
+    return train, test, splits.info
