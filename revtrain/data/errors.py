@@ -6,10 +6,12 @@ print the message, which always says what was expected, where it looked and how 
 
 from __future__ import annotations
 
+from revtrain.errors import RevtrainError
+
 __all__ = ["DatasetError", "DatasetNotFoundError", "DatasetFormatError"]
 
 
-class DatasetError(Exception):
+class DatasetError(RevtrainError):
     """Base class of every revtrain data error."""
 
 
