@@ -51,10 +51,13 @@ class _BlockRecord:
 
 
 def _norms(x1: Tensor, x2: Tensor) -> tuple[Tensor, Tensor]:
-    return (
-        torch.linalg.vector_norm(x1.detach(), dtype=torch.float64),
-        torch.linalg.vector_norm(x2.detach(), dtype=torch.float64),
-    )
+    """Norms of the halves: reduced in their own precision (float32 at least), no upcast copy."""
+
+    def norm(x: Tensor) -> Tensor:
+        low = x.dtype in (torch.float16, torch.bfloat16)
+        return torch.linalg.vector_norm(x.detach(), dtype=torch.float32 if low else None)
+
+    return norm(x1), norm(x2)
 
 
 def _trainable(module: torch.nn.Module) -> list[Tensor]:
