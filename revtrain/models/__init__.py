@@ -1,0 +1,34 @@
+"""The model zoo: RevNets and their ResNet twins, behind one registry.
+
+``create_model(name, num_classes=..., in_channels=...)`` builds any of them and
+``list_models("revnet*")`` lists them; see ``docs/models.md`` for the architectures, the
+choices where the papers are ambiguous and the parameter counts against the papers. Models
+are plain PyTorch: set memory modes from outside with :func:`revtrain.core.set_modes`.
+"""
+
+# Importing the model files registers their variants.
+from revtrain.models import petra, resnet, revnet  # noqa: F401
+from revtrain.models.petra import PetraRevNet
+from revtrain.models.registry import (
+    ModelInfo,
+    count_params,
+    create_model,
+    list_models,
+    model_info,
+    register_model,
+)
+from revtrain.models.resnet import PreActResNet, ResNet
+from revtrain.models.revnet import RevNet
+
+__all__ = [
+    "ModelInfo",
+    "PetraRevNet",
+    "PreActResNet",
+    "ResNet",
+    "RevNet",
+    "count_params",
+    "create_model",
+    "list_models",
+    "model_info",
+    "register_model",
+]
