@@ -12,6 +12,8 @@ from revtrain.core import (
     set_modes,
     verify_invertible,
 )
+from revtrain.models import create_model, list_models, model_info, register_model
+from revtrain.planner import Plan, Profile, make_plan, solve_knapsack
 from revtrain.errors import (
     NotInvertibleError,
     ReconstructionDriftWarning,
@@ -24,16 +26,24 @@ __all__ = [
     "AdditiveCoupling",
     "AffineCoupling",
     "Coupling",
+    "create_model",
+    "get_modes",
+    "list_models",
+    "make_plan",
+    "model_info",
     "NotInvertibleError",
+    "Plan",
+    "Profile",
     "ReconstructionDriftWarning",
     "ReconstructionError",
+    "register_model",
     "ReversibilityError",
+    "reversible_blocks",
     "ReversibleBlock",
     "ReversibleSequence",
     "RevtrainError",
-    "__version__",
-    "get_modes",
-    "reversible_blocks",
     "set_modes",
+    "solve_knapsack",
     "verify_invertible",
+    "__version__",
 ]
