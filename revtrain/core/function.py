@@ -117,6 +117,12 @@ class _MModeRun(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
+        if torch.is_grad_enabled():  # autograd enables grad mode in backward only for create_graph
+            raise ReconstructionError(
+                "double backward (create_graph=True) through M-mode reversible blocks is not "
+                "supported; run those blocks in C-mode (revtrain.set_modes(model, 'C')) when you "
+                "need higher-order gradients"
+            )
         try:
             saved = ctx.saved_tensors
         except RuntimeError as err:

@@ -181,3 +181,13 @@ def test_verify_invertible_replays_dropout_and_keeps_state():
     assert report.ok
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_double_backward_is_refused_clearly():
+    model = make_stack(2).double()
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ReconstructionError, match=r"create_graph=True.*C-mode"):
+        torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+    set_modes(model, "C")
+    (gx,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+    assert gx.requires_grad
