@@ -1,0 +1,26 @@
+"""Benchmarks as a library: measure, return rows, format them (the scripts in ``benchmarks/``
+and a future ``revtrain bench`` command are thin wrappers over these)."""
+
+from revtrain.bench.machine import cpu_model, load_average, machine_info
+from revtrain.bench.stack import (
+    METHODS,
+    GradientMismatchError,
+    StackBenchConfig,
+    StackBenchRow,
+    format_table,
+    resolve_device,
+    run_stack_benchmark,
+)
+
+__all__ = [
+    "METHODS",
+    "GradientMismatchError",
+    "StackBenchConfig",
+    "StackBenchRow",
+    "cpu_model",
+    "format_table",
+    "load_average",
+    "machine_info",
+    "resolve_device",
+    "run_stack_benchmark",
+]

@@ -1,0 +1,87 @@
+"""Smoke test of the stack benchmark: a tiny configuration, complete rows, sane memory order.
+
+No timing assertions: timing belongs to the benchmark's output, not to pass/fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from revtrain.bench import (
+    METHODS,
+    GradientMismatchError,
+    StackBenchConfig,
+    format_table,
+    run_stack_benchmark,
+)
+
+# Activations (32 KiB per half per block) dominate the per-block RNG states that M-mode keeps,
+# so the memory order is that of the real configuration, only smaller.
+TINY = StackBenchConfig(
+    batch=4, channels=16, size=16, depths=(2, 8), repeats=2, warmup=0, device="cpu", threads=1
+)
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return run_stack_benchmark(TINY)
+
+
+def test_every_depth_and_method_has_a_complete_row(rows):
+    assert [(r.depth, r.method) for r in rows] == [(d, m) for d in TINY.depths for m in METHODS]
+    for r in rows:
+        assert len(r.times_s) == TINY.repeats
+        assert all(t > 0 and math.isfinite(t) for t in r.times_s)
+        assert r.time_min_s <= r.time_median_s and r.time_iqr_s >= 0
+        assert r.time_ratio > 0 and r.time_ratio_paired > 0
+        assert r.cpu_time_median_s is not None and r.cpu_time_ratio is not None  # CPU run
+        assert r.peak_bytes is not None and r.peak_bytes > 0 and r.peak_ratio is not None
+        if r.method == "plain":
+            assert r.time_ratio == r.cpu_time_ratio == r.peak_ratio == 1.0
+            assert r.grad_rel_err is None
+        else:
+            assert r.grad_rel_err is not None and r.grad_rel_err <= TINY.grad_tolerance
+
+
+def test_memory_order_is_sane(rows):
+    peak = {(r.depth, r.method): r.peak_bytes for r in rows}
+    assert peak[8, "M"] < peak[8, "plain"]
+    assert peak[8, "checkpoint"] < peak[8, "plain"]
+    assert peak[8, "plain"] > 2 * peak[2, "plain"]  # plain keeps every block's activations
+    assert peak[8, "M"] < 1.2 * peak[2, "M"]  # M-mode keeps one output, whatever the depth
+
+
+def test_table_has_a_line_per_row(rows):
+    lines = format_table(rows).splitlines()
+    assert len(lines) == 2 + len(rows)
+    assert lines[2].startswith("| 2 | plain |")
+
+
+def test_a_broken_path_is_refused(monkeypatch):
+    """An M-mode backward that doubles dL/dh (a plausible core bug) must stop the benchmark."""
+    from revtrain.core.coupling import AdditiveCoupling
+
+    monkeypatch.setattr(AdditiveCoupling, "vjp", lambda self, x, h, dy: (dy, 2 * dy))
+    config = StackBenchConfig(
+        batch=2, channels=4, size=4, depths=(2,), methods=("plain", "M"), repeats=1, warmup=0,
+        device="cpu", measure_memory=False,
+    )
+    with pytest.raises(GradientMismatchError, match="method 'M'"):
+        run_stack_benchmark(config)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"methods": ("M", "C")}, "must include 'plain'"),
+        ({"methods": ("plain", "X")}, "unknown method"),
+        ({"channels": 7}, "even"),
+        ({"depths": (0,)}, "depths"),
+        ({"dtype": "int32"}, "floating-point"),
+    ],
+)
+def test_bad_configs_are_refused_with_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StackBenchConfig(device="cpu", **kwargs)
