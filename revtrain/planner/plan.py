@@ -94,6 +94,11 @@ class BlockProfile:
     """Seconds of the block's backward in M-mode, reconstruction included; None when not measured."""
     t_backward_C_s: float | None = None
     """Seconds of the block's backward in C-mode; None when not measured."""
+    m_hooks_bytes: int | None = None
+    """``m`` as counted by saved-tensor hooks (unique storages saved for backward); None if not."""
+    m_tracker_bytes: int | None = None
+    """``m`` as counted by the memory tracker (bytes the forward left live); None if not.
+    ``m_bytes`` is the larger of the two when both are measured."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -104,6 +109,10 @@ class BlockProfile:
             value = getattr(self, attr)
             if value is not None:
                 setattr(self, attr, _nonneg_float(value, f"block {self.name!r}: {attr}"))
+        for attr in ("m_hooks_bytes", "m_tracker_bytes"):
+            value = getattr(self, attr)
+            if value is not None:
+                setattr(self, attr, _nonneg_int(value, f"block {self.name!r}: {attr}"))
 
 
 @dataclass(kw_only=True)
@@ -140,6 +149,10 @@ class Profile:
     peak_C_bytes: int | None = None
     """Measured peak bytes of baseline-C; None if not run. The model predicts
     ``m_o_bytes + sum(m_bytes)``."""
+    memory_method: str | None = None
+    """How the peaks were counted (``"cuda-allocator"``, ``"cpu-dispatch"``); None if unknown."""
+    optimizer: str | None = None
+    """Class name of the optimizer whose state is inside ``m_o_bytes``; None if unknown."""
     torch_version: str = field(default_factory=lambda: str(torch.__version__))
     """``torch.__version__`` of the profiling run."""
     timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
@@ -226,6 +239,8 @@ class Plan:
     """Seconds per step measured when training with the plan; None until measured."""
     measured_peak_bytes: int | None = None
     """Peak bytes measured when training with the plan; None until measured."""
+    budget_source: str = ""
+    """How the budget was arrived at, in words (e.g. ``"50% of the total memory of cuda:0"``)."""
 
     def __post_init__(self) -> None:
         self.modes = dict(self.modes)
@@ -297,7 +312,13 @@ class Plan:
         return _load(cls, "plan", source)
 
 
-def make_plan(profile: Profile, budget_bytes: int | str, *, granularity: int | None = None) -> Plan:
+def make_plan(
+    profile: Profile,
+    budget_bytes: int | str,
+    *,
+    granularity: int | None = None,
+    use_measured_baseline_c: bool = False,
+) -> Plan:
     """Solve for the fastest mode per block whose predicted peak fits ``budget_bytes``.
 
     Chooses the C-mode blocks by :func:`~revtrain.planner.solve_knapsack` with value ``t_e``,
@@ -308,6 +329,13 @@ def make_plan(profile: Profile, budget_bytes: int | str, *, granularity: int | N
         budget_bytes: Memory the training step may use at its peak: bytes, or a size such as
             ``"6GiB"`` (see :func:`revtrain.memory.parse_bytes`).
         granularity: Passed to :func:`~revtrain.planner.solve_knapsack`; None picks it.
+        use_measured_baseline_c: When the profile's *measured* baseline-C peak
+            (``peak_C_bytes``) fits the budget, run every block that C-mode speeds up in C-mode,
+            with predicted peak ``min(m_o + sum(m), peak_C_bytes)``. ``m_o + sum(m)`` adds each
+            block's bytes as if all were live at baseline-M's peak moment, which overestimates
+            when they are not (measured: baseline-C's real peak is often well below it); the
+            measured baseline-C peak is the tighter bound, on the assumption that moving a
+            block from C-mode to M-mode never raises the peak.
 
     Raises:
         BudgetTooSmallError: if the budget is below the baseline-M peak ``m_o``.
@@ -319,6 +347,11 @@ def make_plan(profile: Profile, budget_bytes: int | str, *, granularity: int | N
     capacity = budget - profile.m_o_bytes
     if capacity < 0:
         raise _budget_too_small(profile, budget)
+    measured_c = profile.peak_C_bytes
+    if use_measured_baseline_c and measured_c is not None and profile.m_o_bytes <= measured_c <= budget:
+        capacity = max(capacity, sum(b.m_bytes for b in profile.blocks))  # every useful block fits
+    else:
+        measured_c = None
     sol = solve_knapsack(
         [b.t_e_s for b in profile.blocks],
         [b.m_bytes for b in profile.blocks],
@@ -326,12 +359,15 @@ def make_plan(profile: Profile, budget_bytes: int | str, *, granularity: int | N
         granularity=granularity,
     )
     chosen = set(sol.chosen)
+    peak = profile.m_o_bytes + sol.total_weight
+    if measured_c is not None:
+        peak = min(peak, measured_c)
     return Plan(
         modes={b.name: ("C" if i in chosen else "M") for i, b in enumerate(profile.blocks)},
         budget_bytes=budget,
         granularity=sol.granularity,
         predicted_step_time_s=profile.step_time_M_s - sol.total_value,
-        predicted_peak_bytes=profile.m_o_bytes + sol.total_weight,
+        predicted_peak_bytes=peak,
         model=profile.model,
         batch_size=profile.batch_size,
     )
