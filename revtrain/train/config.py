@@ -1,0 +1,204 @@
+"""The training configuration: one typed dataclass whose field docstrings are the CLI's help.
+
+``TrainConfig()`` is the default recipe (RevNet-38 on the bundled digits, every reversible block
+in M-mode, a few minutes on two CPU cores). Every field is validated when the config is built,
+so a bad value fails before any data is loaded, with a message that names the fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Literal
+
+from revtrain.errors import RevtrainError
+
+__all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "DEVICES", "AMP_DTYPES"]
+
+SCHEDULES = ("cosine", "step")
+DEVICES = ("auto", "cpu", "cuda")
+AMP_DTYPES = ("bf16", "fp16")
+
+
+class ConfigError(RevtrainError, ValueError):
+    """A training option has a value that cannot work; the message says which and why."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything a training run depends on; saved in every checkpoint and in ``config.json``."""
+
+    # --- what to train
+    model: str = "revnet38"
+    """Model name from the registry (`revtrain models` lists them)."""
+    dataset: str = "digits"
+    """Dataset: digits (bundled, offline), cifar10, cifar100 (local folder) or synthetic."""
+    data_dir: str | None = None
+    """Folder holding the extracted CIFAR batches (default: $REVTRAIN_DATA_DIR or ./data)."""
+    image_size: int | None = None
+    """Side of the input images (default: the dataset's own: digits 8, CIFAR 32); digits upsample to it."""
+    augment: bool | None = None
+    """Training augmentation (default: the dataset's own: on for CIFAR, off for digits)."""
+
+    # --- how long, how big
+    epochs: int = 10
+    """Passes over the training set."""
+    batch_size: int = 64
+    """Training examples per step."""
+    eval_batch_size: int | None = None
+    """Test examples per evaluation batch (default: the training batch size)."""
+    max_steps_per_epoch: int | None = None
+    """Stop each epoch after this many steps (for quick checks and tests); default: whole epoch."""
+
+    # --- optimizer and schedule
+    lr: float = 0.1
+    """Peak learning rate of SGD, reached at the end of the warm-up."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    nesterov: bool = True
+    """Nesterov momentum."""
+    weight_decay: float = 5e-4
+    """L2 weight decay, applied to weights only: never to norm parameters or biases."""
+    warmup_epochs: float = 1.0
+    """Epochs of linear learning-rate warm-up from lr/steps to lr (fractions allowed)."""
+    schedule: Literal["cosine", "step"] = "cosine"
+    """Learning-rate decay after the warm-up, updated every step: cosine to zero, or step."""
+    milestones: tuple[float, ...] = (0.5, 0.75)
+    """Step schedule: fractions of the training steps at which lr is multiplied by gamma."""
+    gamma: float = 0.1
+    """Step schedule: factor applied to lr at each milestone."""
+
+    # --- memory strategy
+    mode: Literal["M", "C"] = "M"
+    """Mode of every reversible block: M (rebuild inputs in backward, little memory) or C (keep them)."""
+    budget: str | None = None
+    """Memory budget (6GiB, 512MB, 50%): profile one batch, let the planner choose each block's mode."""
+    plan: str | None = None
+    """Path of a plan.json from `revtrain plan`: apply its per-block modes."""
+
+    # --- machine
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: cuda when available (auto), or cpu or cuda explicitly."""
+    amp: Literal["bf16", "fp16"] | None = None
+    """Mixed precision on CUDA: bf16 autocast, or fp16 autocast with a gradient scaler."""
+    threads: int | None = None
+    """CPU threads for torch ops (torch.set_num_threads; default: torch's, one per core)."""
+    seed: int = 0
+    """Seed of model initialisation, data order and augmentation."""
+
+    # --- outputs
+    run_dir: str | None = None
+    """Folder for metrics, checkpoints and the summary (default: runs/<model>-<dataset>-<time>)."""
+    resume: str | None = None
+    """Continue from a checkpoint path, or 'auto' for the newest run of this model and dataset."""
+    checkpoint_every: int = 0
+    """Also save a checkpoint every this many steps (0: at the end of each epoch only)."""
+    log_every: int = 1
+    """Write a step record to metrics.jsonl every this many steps."""
+    memory_report: bool = True
+    """After training, measure one step's peak memory in the run's modes and with plain backprop."""
+    quiet: bool = False
+    """No progress bar; still print one line per epoch and the summary."""
+
+    def __post_init__(self) -> None:
+        _at_least(self, "epochs", 1)
+        _at_least(self, "batch_size", 1)
+        _at_least(self, "checkpoint_every", 0)
+        _at_least(self, "log_every", 1)
+        if self.eval_batch_size is not None:
+            _at_least(self, "eval_batch_size", 1)
+        if self.max_steps_per_epoch is not None:
+            _at_least(self, "max_steps_per_epoch", 1)
+        if self.threads is not None:
+            _at_least(self, "threads", 1)
+        if self.image_size is not None:
+            _at_least(self, "image_size", 1)
+        if not self.lr > 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
+        if self.nesterov and self.momentum == 0:
+            raise ConfigError("Nesterov momentum needs momentum > 0; set --momentum or pass --no-nesterov")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.warmup_epochs < 0:
+            raise ConfigError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
+        _choice(self, "schedule", SCHEDULES)
+        _choice(self, "device", DEVICES)
+        if self.amp is not None:
+            _choice(self, "amp", AMP_DTYPES)
+        self.milestones = tuple(float(m) for m in self.milestones)
+        if any(not 0 < m < 1 for m in self.milestones) or list(self.milestones) != sorted(self.milestones):
+            raise ConfigError(
+                f"milestones must be increasing fractions of training in (0, 1), got {self.milestones}"
+            )
+        if not 0 < self.gamma <= 1:
+            raise ConfigError(f"gamma must be in (0, 1], got {self.gamma}")
+        if not isinstance(self.mode, str) or self.mode.upper() not in ("M", "C"):
+            raise ConfigError(f"mode must be 'M' or 'C', got {self.mode!r}")
+        self.mode = self.mode.upper()  # type: ignore[assignment]
+        if self.budget is not None and self.plan is not None:
+            raise ConfigError("give either --budget (plan now) or --plan (load a plan), not both")
+        if self.budget is not None and not str(self.budget).strip():
+            raise ConfigError("budget is empty; give a size such as 6GiB, or a fraction such as 50%")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-serialisable data (tuples become lists)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Inverse of :meth:`to_dict`; unknown keys (from another revtrain version) raise ``ConfigError``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown training option(s) {', '.join(unknown)}; the config was probably written "
+                "by another revtrain version"
+            )
+        values = dict(data)
+        if "milestones" in values:
+            values["milestones"] = tuple(values["milestones"])
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source (the CLI's help).
+
+    Fields without a docstring are missing from the result.
+    """
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _at_least(config: TrainConfig, name: str, low: int) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _choice(config: TrainConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(config, name)
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+

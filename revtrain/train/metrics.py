@@ -1,0 +1,200 @@
+"""What a run records: a JSON-lines metrics file, cheap live memory readings, and the measured
+memory of one training step in the run's modes against plain backprop.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from revtrain.core import set_modes
+from revtrain.memory import process_peak_rss_bytes, track_peak_memory
+from revtrain.train.checkpoint import capture_rng_state, restore_rng_state
+
+__all__ = ["MetricsWriter", "EpochStats", "live_memory", "StepMemory", "measure_step_memory"]
+
+
+class MetricsWriter:
+    """Append one JSON object per line to ``path``; every record has ``event`` and ``time``.
+
+    Events written by the trainer: ``"step"`` (every ``log_every`` steps), ``"epoch"`` (after
+    each evaluation), ``"plan"``, ``"resume"``, ``"interrupt"`` and ``"summary"``.
+
+    Args:
+        path: The ``metrics.jsonl`` file; created with its folder if missing.
+        resume_step: When continuing a run from a checkpoint at this step, keep the file but
+            first drop the records a crash left behind after that step (and any ``"summary"``),
+            so it reads as one uninterrupted run. None (a new run) starts an empty file.
+        redo_epoch: Also drop the ``"epoch"`` record of this epoch (its evaluation is redone).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, resume_step: int | None = None, redo_epoch: int | None = None
+    ) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            self._truncate(resume_step, redo_epoch)
+        self._file = self.path.open("w" if resume_step is None else "a", encoding="utf-8")
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Write one record and flush it (a crash loses at most the line being written)."""
+        record = {"event": event, "time": round(time.time(), 3), **fields}
+        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def _truncate(self, step: int, redo_epoch: int | None) -> None:
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut off by a crash
+                continue
+            after = record.get("step", 0) > step
+            redone = record.get("event") == "epoch" and record.get("epoch") == redo_epoch
+            if not (after or redone or record.get("event") == "summary"):
+                kept.append(line + "\n")
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+class EpochStats:
+    """Running sums of the current epoch's training; saved in checkpoints for mid-epoch resume."""
+
+    def __init__(self, loss_sum: float = 0.0, correct: int = 0, samples: int = 0, seconds: float = 0.0):
+        self.loss_sum, self.correct, self.samples, self.seconds = loss_sum, correct, samples, seconds
+
+    def add(self, loss_sum: float, correct: int, samples: int, seconds: float) -> None:
+        self.loss_sum += loss_sum
+        self.correct += correct
+        self.samples += samples
+        self.seconds += seconds
+
+    @property
+    def loss(self) -> float:
+        """Mean training loss so far this epoch."""
+        return self.loss_sum / self.samples if self.samples else float("nan")
+
+    @property
+    def accuracy(self) -> float:
+        """Top-1 training accuracy so far this epoch (on the batches as trained)."""
+        return self.correct / self.samples if self.samples else float("nan")
+
+    @property
+    def throughput(self) -> float:
+        """Training samples per second so far this epoch (data, forward, backward, update)."""
+        return self.samples / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"loss_sum": self.loss_sum, "correct": self.correct, "samples": self.samples,
+                "seconds": self.seconds}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    raise TypeError(f"cannot write {type(value).__name__} to metrics")
+
+
+def live_memory(device: torch.device) -> tuple[int | None, str]:
+    """A memory reading cheap enough for every step: ``(bytes, what it measures)``.
+
+    CUDA: the allocator's peak of tensor bytes since the last reset (the trainer resets it each
+    epoch). CPU: the process's resident set size now (``/proc/self/statm``; peak RSS elsewhere).
+    """
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), "peak tensors"
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            resident_pages = int(f.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE"), "rss"
+    except (OSError, ValueError, IndexError, AttributeError):
+        return process_peak_rss_bytes(), "peak rss"
+
+
+class StepMemory:
+    """Peak bytes of one training step (forward + backward) of a model, by mode assignment."""
+
+    def __init__(self, run_bytes: int, plain_bytes: int, batch_size: int, modes: Mapping[str, str],
+                 method: str) -> None:
+        self.run_bytes = run_bytes
+        """Peak of the step in the run's modes."""
+        self.plain_bytes = plain_bytes
+        """Peak of the same step with every reversible block in C-mode (plain backprop)."""
+        self.batch_size = batch_size
+        self.modes = dict(modes)
+        self.method = method
+        """How bytes were counted (``"cpu-dispatch"`` or ``"cuda-allocator"``)."""
+
+    @property
+    def ratio(self) -> float:
+        """``plain_bytes / run_bytes``: how many times less memory the run's modes need."""
+        return self.plain_bytes / self.run_bytes if self.run_bytes else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        counts = {m: sum(v == m for v in self.modes.values()) for m in ("M", "C")}
+        return {
+            "step_peak_bytes": self.run_bytes,
+            "plain_backprop_peak_bytes": self.plain_bytes,
+            "plain_over_run": round(self.ratio, 4) if self.run_bytes else None,
+            "memory_batch_size": self.batch_size,
+            "blocks_in_M": counts["M"],
+            "blocks_in_C": counts["C"],
+            "memory_method": self.method,
+        }
+
+
+def measure_step_memory(
+    model: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    modes: Mapping[str, str],
+    device: torch.device,
+    autocast: Callable[[], AbstractContextManager[Any]],
+) -> StepMemory:
+    """Measure one forward + backward on ``batch`` in ``modes`` and with all blocks in C-mode.
+
+    Each measurement runs on a deep copy of ``model`` (gradients, batch-norm statistics and
+    modes of ``model`` are untouched) and the random generators are restored afterwards, so the
+    run's results do not depend on whether this was called. Parameters and their copies exist
+    before the tracked region, so the peaks count activations, gradients and the backward's
+    transients: what a step adds on top of the model.
+    """
+    x, y = batch[0].to(device), batch[1].to(device)
+    rng = capture_rng_state()
+    peaks: dict[str, int] = {}
+    method = ""
+    try:
+        for label, assignment in (("run", dict(modes)), ("plain", "C")):
+            replica = copy.deepcopy(model).train()
+            for p in replica.parameters():
+                p.grad = None
+            set_modes(replica, assignment)
+            with track_peak_memory(device) as mem:
+                with autocast():
+                    loss = F.cross_entropy(replica(x), y)
+                loss.backward()
+                del loss
+            peaks[label], method = mem.peak_bytes, mem.method
+            del replica
+    finally:
+        restore_rng_state(rng)
+    return StepMemory(peaks["run"], peaks["plain"], int(x.shape[0]), modes, method)

@@ -1,0 +1,121 @@
+"""The `revtrain` command line: subcommands, help from config docstrings, errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from revtrain.cli import main
+from revtrain.models import list_models
+from revtrain.train import TrainConfig, field_docs
+
+TINY = ["--image-size", "8", "--batch-size", "16", "--eval-batch-size", "360", "--max-steps-per-epoch", "2",
+        "--device", "cpu", "--no-memory-report", "--quiet"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """One thread: on a busy 2-core machine OpenMP's spinning makes two threads ~10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _fails_cleanly(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and captured.err.count("\n") == 1  # one paragraph
+    return captured.err
+
+
+def test_models_lists_every_registered_model_with_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["model", "kind", "dataset", "params", "paper"]
+    assert [line.split()[0] for line in lines[1:]] == list_models()
+    revnet38 = next(line for line in lines if line.startswith("revnet38 "))
+    assert "reversible" in revnet38 and "0.46M" in revnet38
+
+
+def test_models_pattern_filters(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", "resnet1*"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert names == list_models("resnet1*") and names
+
+
+def test_unknown_model_lists_close_matches(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    err = _fails_cleanly(capsys, ["train", "--model", "revnet-38", "--run-dir", str(tmp_path / "r")])
+    assert "unknown model 'revnet-38'; did you mean: revnet38" in err
+    assert "revtrain models" in err
+
+
+def test_missing_cifar_folder_says_how_to_get_it(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    missing = tmp_path / "no-data"
+    err = _fails_cleanly(capsys, ["train", "--dataset", "cifar10", "--data-dir", str(missing),
+                                  "--run-dir", str(tmp_path / "r")])
+    assert f"data folder {missing} does not exist" in err and "cifar-10-python.tar.gz" in err
+
+
+def test_corrupt_checkpoint_fails_cleanly(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    bad = tmp_path / "checkpoint.pt"
+    bad.write_bytes(b"\x00" * 100)
+    err = _fails_cleanly(capsys, ["train", "--resume", str(bad)])
+    assert f"cannot read checkpoint {bad}" in err
+
+
+def test_bad_option_value_fails_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _fails_cleanly(capsys, ["train", "--epochs", "0"])
+    assert "epochs must be an integer >= 1" in err
+
+
+def test_help_comes_from_the_config_docstrings(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    for name in ("lr", "weight_decay", "budget", "resume"):
+        assert " ".join(field_docs(TrainConfig)[name].split()) in text
+    assert "--no-nesterov" in text and "(default: revnet38)" in text
+
+
+def test_train_then_resume_with_more_epochs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--run-dir", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "epoch 1/1" in out and "test accuracy" in out
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+
+    # Resume takes the saved settings (image size, batch size, ...) and extends to 2 epochs.
+    assert main(["train", "--resume", str(run / "checkpoint.pt"), "--epochs", "2", "--no-memory-report"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "epoch 2/2" in out and "epoch 1/2" not in out
+    config = json.loads((run / "config.json").read_text())
+    assert (config["epochs"], config["image_size"], config["batch_size"]) == (2, 8, 16)
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+
+
+def test_bench_runs_with_small_options(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("revtrain.bench.stack", reason="revtrain.bench is not installed")
+    argv = ["bench", "--depths", "2", "--repeats", "1", "--warmup", "0", "--batch", "2", "--channels", "4",
+            "--size", "4", "--methods", "plain", "M", "--device", "cpu", "--no-measure-memory"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "| 2 | plain |" in table and "| 2 | M |" in table
+
+
+def test_plan_subcommand_is_wired(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("revtrain.planner.command", reason="revtrain.planner.command is not installed")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--help"])
+    assert exit_info.value.code == 0
+    assert "--budget" in capsys.readouterr().out
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "train" in capsys.readouterr().out

@@ -1,0 +1,140 @@
+"""Exact resume: an interrupted-and-resumed run ends bit-identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from revtrain.train import Trainer, load_checkpoint, resolve_config
+
+from .conftest import TinyConfig, assert_same_training_state, interrupt_at, make_tiny_config
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Trainer:
+    """The tiny run (2 epochs x 3 steps), uninterrupted; shared by the tests of this module."""
+    trainer = Trainer(make_tiny_config(tmp_path_factory.mktemp("reference")))
+    trainer.fit()
+    return trainer
+
+
+def _steps(run_dir: str | Path) -> list[tuple[int, float, float]]:
+    lines = Path(run_dir, "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return [(r["step"], r["loss"], r["lr"]) for r in records if r["event"] == "step"]
+
+
+def test_keyboard_interrupt_mid_epoch_saves_and_resumes_exactly(
+    tiny_config: TinyConfig, reference: Trainer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tiny_config("interrupted")
+    first = Trainer(config, callbacks=[interrupt_at(4)])  # step 4 = batch 2 of 3 in epoch 2
+    with pytest.raises(KeyboardInterrupt):
+        first.fit()
+    ckpt = Path(config.run_dir) / "checkpoint.pt"
+    err = capsys.readouterr().err
+    assert f"checkpoint saved to {ckpt}" in err and f"revtrain train --resume {ckpt}" in err
+    state = load_checkpoint(ckpt)
+    assert state["step"] == 4
+    assert state["train_loader"]["epoch"] == 1 and state["train_loader"]["next_batch"] == 1
+
+    resumed = Trainer(config.replace(resume=str(ckpt)))
+    resumed.fit()
+    assert_same_training_state(resumed, reference)
+    assert resumed.history == [
+        {**h, "samples_per_s": r["samples_per_s"], "epoch_train_time_s": r["epoch_train_time_s"],
+         "memory_bytes": r["memory_bytes"]}
+        for h, r in zip(reference.history, resumed.history, strict=True)
+    ]
+    assert _steps(config.run_dir) == _steps(reference.config.run_dir)
+
+
+def test_interrupt_after_last_step_of_epoch_evaluates_on_resume(
+    tiny_config: TinyConfig, reference: Trainer
+) -> None:
+    config = tiny_config("epoch_end")
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(config, callbacks=[interrupt_at(3)]).fit()
+    state = load_checkpoint(Path(config.run_dir) / "checkpoint.pt")
+    assert state["pending_eval"] == 0 and state["history"] == []
+    resumed = Trainer(config.replace(resume=str(Path(config.run_dir) / "checkpoint.pt")))
+    resumed.fit()
+    assert_same_training_state(resumed, reference)
+    assert [h["test_acc"] for h in resumed.history] == [h["test_acc"] for h in reference.history]
+
+
+def test_crash_resumes_from_periodic_checkpoint_and_metrics_read_as_one_run(
+    tiny_config: TinyConfig, reference: Trainer
+) -> None:
+    config = tiny_config("crashed", checkpoint_every=2)
+    with pytest.raises(RuntimeError, match="simulated"):
+        Trainer(config, callbacks=[interrupt_at(5, RuntimeError)]).fit()  # last save: step 4
+    ckpt = Path(config.run_dir) / "checkpoint.pt"
+    assert load_checkpoint(ckpt)["step"] == 4
+    assert [s for s, _, _ in _steps(config.run_dir)] == [1, 2, 3, 4, 5]  # step 5 was lost
+    resumed = Trainer(config.replace(resume=str(ckpt)))
+    resumed.fit()
+    assert_same_training_state(resumed, reference)
+    assert _steps(config.run_dir) == _steps(reference.config.run_dir)
+
+
+def test_sigint_stops_after_the_current_step(tiny_config: TinyConfig) -> None:
+    config = tiny_config("sigint")
+
+    def press_ctrl_c(trainer: Trainer) -> None:
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    handler = signal.getsignal(signal.SIGINT)
+    trainer = Trainer(config, callbacks=[press_ctrl_c])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    assert load_checkpoint(Path(config.run_dir) / "checkpoint.pt")["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is handler  # the trainer's handler is gone
+
+
+def test_resume_takes_saved_config_and_explicit_overrides(tiny_config: TinyConfig) -> None:
+    config = tiny_config("extend", epochs=1, lr=0.05)
+    Trainer(config).fit()
+    ckpt = Path(config.run_dir) / "checkpoint.pt"
+    merged = resolve_config({"resume": str(ckpt), "epochs": 2})
+    assert (merged.epochs, merged.lr, merged.batch_size) == (2, 0.05, 16)
+    assert merged.run_dir == config.run_dir and merged.resume == str(ckpt)
+    trainer = Trainer(merged)
+    trainer.fit()
+    assert trainer.step == 6 and [h["epoch"] for h in trainer.history] == [0, 1]
+
+
+def test_resume_auto_finds_the_run_folder_checkpoint(tiny_config: TinyConfig) -> None:
+    config = tiny_config("auto", epochs=1)
+    Trainer(config).fit()
+    merged = resolve_config({"resume": "auto", "run_dir": config.run_dir, "epochs": 2})
+    assert merged.resume == str(Path(config.run_dir) / "checkpoint.pt")
+    assert Trainer(merged).step == 3
+
+
+def test_abort_inside_a_step_keeps_the_last_checkpoint(
+    tiny_config: TinyConfig, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tiny_config("abort", checkpoint_every=2)
+    trainer = Trainer(config)
+
+    def second_ctrl_c(module: object, inputs: object, output: object) -> None:
+        if trainer.step == 4 and module is trainer.model:  # in the forward of step 5
+            raise KeyboardInterrupt
+
+    trainer.model.register_forward_hook(second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    assert "aborted inside a training step at step 4: no checkpoint written" in capsys.readouterr().err
+    assert load_checkpoint(Path(config.run_dir) / "checkpoint.pt")["step"] == 4
+
+
+def test_resume_accepts_the_run_folder(tiny_config: TinyConfig) -> None:
+    config = tiny_config("folder", epochs=1)
+    Trainer(config).fit()
+    assert Trainer(config.replace(resume=config.run_dir)).step == 3
