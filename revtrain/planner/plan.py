@@ -94,6 +94,9 @@ class BlockProfile:
     """Seconds of the block's backward in M-mode, reconstruction included; None when not measured."""
     t_backward_C_s: float | None = None
     """Seconds of the block's backward in C-mode; None when not measured."""
+    t_forward_C_s: float | None = None
+    """Seconds of the block's forward in C-mode (``t_forward_s`` is then M-mode's); None when not
+    measured."""
     m_hooks_bytes: int | None = None
     """``m`` as counted by saved-tensor hooks (unique storages saved for backward); None if not."""
     m_tracker_bytes: int | None = None
@@ -105,7 +108,7 @@ class BlockProfile:
             raise ValueError(f"BlockProfile.name must be a non-empty module name, got {self.name!r}")
         self.t_e_s = _finite(self.t_e_s, f"block {self.name!r}: t_e_s")
         self.m_bytes = _nonneg_int(self.m_bytes, f"block {self.name!r}: m_bytes")
-        for attr in ("t_forward_s", "t_backward_M_s", "t_backward_C_s"):
+        for attr in ("t_forward_s", "t_backward_M_s", "t_backward_C_s", "t_forward_C_s"):
             value = getattr(self, attr)
             if value is not None:
                 setattr(self, attr, _nonneg_float(value, f"block {self.name!r}: {attr}"))

@@ -144,6 +144,7 @@ def profile_model(
             t_forward_s=timing[name].forward_M_s,
             t_backward_M_s=timing[name].backward_M_s,
             t_backward_C_s=timing[name].backward_C_s,
+            t_forward_C_s=timing[name].forward_C_s,
             m_hooks_bytes=m_hooks[name],
             m_tracker_bytes=m_tracker[name],
         )
