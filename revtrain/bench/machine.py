@@ -12,6 +12,8 @@ import torch
 
 __all__ = ["machine_info", "cpu_model", "load_average"]
 
+_TIMING_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "GLIBC_TUNABLES", "LD_PRELOAD", "OMP_WAIT_POLICY")
+
 
 def cpu_model() -> str:
     """The CPU's model name from ``/proc/cpuinfo``, else :func:`platform.processor`."""
@@ -50,6 +52,8 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "device": str(dev),
         "load_average": load_average(),
+        # Settings that change CPU timings: thread counts and glibc's allocator (see benchmarks/README).
+        "env": {k: v for k, v in os.environ.items() if k in _TIMING_ENV or k.startswith("MALLOC_")},
     }
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
