@@ -46,8 +46,8 @@ class _BlockRecord:
     rng_f: RngState | None
     rng_g: RngState | None
     norms: tuple[Tensor, Tensor] | None
-    n_f_params: int
-    n_g_params: int
+    f_params: list[Tensor]
+    g_params: list[Tensor]
 
 
 def _norms(x1: Tensor, x2: Tensor) -> tuple[Tensor, Tensor]:
@@ -90,18 +90,16 @@ class _MModeRun(torch.autograd.Function):
     """Forward: a run of M-mode blocks without a graph. Backward: Algorithm 1, block by block."""
 
     @staticmethod
-    def forward(ctx, blocks, concat_dim, x1, x2, *params):  # type: ignore[override]
+    def forward(ctx, blocks, concat_dim, param_lists, x1, x2, *params):  # type: ignore[override]
         device = x1.device
         records: list[_BlockRecord] = []
-        for block in blocks:
+        for block, (f_params, g_params) in zip(blocks, param_lists):
             rng_f = RngState.capture(device) if block.preserve_rng_state else None
             norms = _norms(x1, x2) if block.check_reconstruction else None
             y1 = block.coupling.forward(x1, block._apply_fn(block.f, "F", x2, x1))
             rng_g = RngState.capture(device) if block.preserve_rng_state else None
             y2 = block.coupling.forward(x2, block._apply_fn(block.g, "G", y1, x2))
-            records.append(
-                _BlockRecord(rng_f, rng_g, norms, len(_trainable(block.f)), len(_trainable(block.g)))
-            )
+            records.append(_BlockRecord(rng_f, rng_g, norms, f_params, g_params))
             x1, x2 = y1, y2
         ctx.blocks = blocks
         ctx.records = records
@@ -149,7 +147,7 @@ class _MModeRun(torch.autograd.Function):
         with torch.enable_grad(), ctx.autocast.context():
             for i in reversed(range(n)):
                 block, record = blocks[i], ctx.records[i]
-                need_dx2 = i > 0 or ctx.needs_input_grad[3]
+                need_dx2 = i > 0 or ctx.needs_input_grad[4]
                 # Restored only after the gradients: batch norm's graph saves its running stats.
                 with frozen_running_stats([block]):
                     x1, x2, dy1, dy2, grads_fg = _block_backward(
@@ -161,11 +159,11 @@ class _MModeRun(torch.autograd.Function):
                 y1, y2 = x1, x2
         if rebuilt_norms:
             _check_rebuilds(blocks, ctx.records, rebuilt_norms)
-        dx1 = dy1 if ctx.needs_input_grad[2] else None
-        dx2 = dy2 if ctx.needs_input_grad[3] else None
+        dx1 = dy1 if ctx.needs_input_grad[3] else None
+        dx2 = dy2 if ctx.needs_input_grad[4] else None
 
         flat = [g for block_grads in param_grads for g in block_grads]
-        return (None, None, dx1, dx2, *flat)
+        return (None, None, None, dx1, dx2, *flat)
 
 
 def _block_backward(
@@ -179,12 +177,7 @@ def _block_backward(
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None, list[Tensor | None]]:
     """Rebuild one block's input from its output and backpropagate through it."""
     coupling = block.coupling
-    f_params, g_params = _trainable(block.f), _trainable(block.g)
-    if (len(f_params), len(g_params)) != (record.n_f_params, record.n_g_params):
-        raise ReconstructionError(
-            "parameters of a reversible block changed requires_grad between forward and "
-            "backward; set requires_grad before the forward pass"
-        )
+    f_params, g_params = record.f_params, record.g_params
     # A gradient of None means "this output was not used": like plain autograd, the functions
     # that only feed it then get no gradient (None, not zeros), and their graph is not built.
     # G: one run on y1 builds its graph; rebuild x2 and backpropagate dy2 through G.
@@ -268,5 +261,8 @@ def run_m_mode(
     blocks: tuple[ReversibleBlock, ...], x1: Tensor, x2: Tensor, concat_dim: int | None
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Run consecutive M-mode blocks; return a pair, or the halves concatenated on ``concat_dim``."""
-    params = [p for block in blocks for fn in (block.f, block.g) for p in _trainable(fn)]
-    return _MModeRun.apply(blocks, concat_dim, x1, x2, *params)
+    # Parameters are inputs of the function so that autograd routes their gradients; the
+    # lists are collected once here and reused by backward.
+    param_lists = tuple((_trainable(block.f), _trainable(block.g)) for block in blocks)
+    params = [p for f_params, g_params in param_lists for p in (*f_params, *g_params)]
+    return _MModeRun.apply(blocks, concat_dim, param_lists, x1, x2, *params)

@@ -119,12 +119,13 @@ def test_gradcheck_custom_function(coupling):
         ReversibleBlock(nn.Linear(3, 3 * mult), nn.Sequential(nn.Linear(3, 3 * mult), nn.Tanh()), coupling=coupling).double()
         for _ in range(2)
     )
-    params = [p for b in blocks for fn in (b.f, b.g) for p in fn.parameters()]
+    param_lists = tuple((list(b.f.parameters()), list(b.g.parameters())) for b in blocks)
+    params = [p for f_params, g_params in param_lists for p in (*f_params, *g_params)]
     x1 = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     x2 = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
 
     def fn(a, b, *ps):
-        return _MModeRun.apply(blocks, None, a, b, *ps)
+        return _MModeRun.apply(blocks, None, param_lists, a, b, *ps)
 
     assert torch.autograd.gradcheck(fn, (x1, x2, *params), eps=1e-6, atol=1e-8)
 
