@@ -79,12 +79,12 @@ def plot_step_times(result: SweepResult, path: str | os.PathLike[str]) -> Path:
         c_ok = np.array([p.baseline_C_fits for p in pts])
         plan = np.array([np.nan if p.predicted_step_time_s is None else p.predicted_step_time_s for p in pts]) * scale
 
-        ax.plot(b, np.where(m_ok, m_pred, np.nan), "-", color="#c0392b", label="baseline-M (predicted)")
+        ax.plot(b, np.where(m_ok, m_pred, np.nan), "-", marker=".", color="#c0392b", label="baseline-M (predicted)")
         ax.plot(b[~m_ok], m_pred[~m_ok], "x", color="#c0392b", label="baseline-M over budget")
-        ax.plot(b, np.where(c_ok, c_pred, np.nan), "-", color="#2c7fb8", label="baseline-C (predicted)")
+        ax.plot(b, np.where(c_ok, c_pred, np.nan), "-", marker=".", color="#2c7fb8", label="baseline-C (predicted)")
         if (~c_ok).any():
             ax.plot(b[~c_ok], c_pred[~c_ok], "o", mfc="none", color="#2c7fb8", label="baseline-C over budget")
-        ax.plot(b, plan, "--", color="#1a9850", lw=2, label="plan (predicted)")
+        ax.plot(b, plan, "--", marker=".", color="#1a9850", lw=2, label="plan (predicted)")
 
         def measured(attr: str, peak_attr: str, over: bool) -> tuple[np.ndarray, np.ndarray]:
             xs = [
