@@ -112,3 +112,16 @@ def test_alternating_measurement_gives_each_setting_its_own_peak(tiny_profiled):
     assert both["M"].peak_bytes == profile.m_o_bytes
     assert both["C"].peak_bytes == profile.peak_C_bytes
     assert len(both["M"].times_s) == len(both["C"].times_s) == 2
+
+
+def test_t_e_lost_in_noise_falls_back_to_the_forward_time(monkeypatch):
+    # A clock under which both modes take the same time: the measured difference is 0, which
+    # cannot be (M-mode does C-mode's work plus a rebuild), so t_e is the paper's t_f1.
+    import revtrain.planner.profile as profile_mod
+
+    monkeypatch.setattr(profile_mod, "timer", lambda device: lambda: lambda: 0.25)
+    timing = profile_mod.time_blocks(tiny_model(), tiny_batch()[0], repeats=1, warmup=1)
+    assert len(timing) == 5
+    for t in timing.values():
+        assert (t.forward_M_s, t.backward_M_s, t.forward_C_s, t.backward_C_s) == (0.25,) * 4
+        assert t.t_e_s == t.forward_M_s == 0.25
