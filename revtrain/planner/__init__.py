@@ -22,7 +22,7 @@ from revtrain.planner.measure import (
     measure_step_stats,
     measure_steps,
 )
-from revtrain.planner.pipeline import plan_for_model
+from revtrain.planner.pipeline import plan_for_model, refine_plan
 from revtrain.planner.plan import (
     BlockProfile,
     BudgetTooSmallError,
@@ -54,6 +54,7 @@ __all__ = [
     "parse_batch_sizes",
     "plan_for_model",
     "profile_model",
+    "refine_plan",
     "resize_batch",
     "resolve_budget",
     "saved_bytes_in_context",
