@@ -1,0 +1,104 @@
+"""Smoke test of the planner benchmark: a tiny configuration, complete rows, budgets kept, files written.
+
+No timing assertions: timing belongs to the benchmark's output, not to pass/fail. Byte counts on
+CPU are deterministic, so the budget is asserted on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from revtrain.bench.planner import (
+    SETTINGS,
+    PlannerBenchConfig,
+    PlannerBenchResult,
+    format_accuracy_table,
+    format_planner_table,
+    format_refine_table,
+    run_planner_benchmark,
+    to_sweep_result,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TINY = PlannerBenchConfig(
+    model="revnet38", batch_sizes=(2, 8, 32), input_shape=(3, 16, 16), repeats=1, warmup=1,
+    profile_repeats=1, refine=2, threads=1,
+)
+
+
+@pytest.fixture(scope="module")
+def result():
+    return run_planner_benchmark(TINY)
+
+
+def test_every_batch_size_and_setting_has_a_complete_row(result):
+    assert [r.batch_size for r in result.rows] == list(TINY.batch_sizes)
+    for r in result.rows:
+        assert list(r.settings) == list(SETTINGS)
+        assert r.n_blocks == len(result.block_names) == len(r.modes) == len(r.modes_refine0)
+        for s in r.settings.values():
+            assert len(s.times_s) == TINY.repeats
+            assert s.step_time_s > 0 and math.isfinite(s.step_time_s)
+            assert s.peak_bytes > 0 and s.additive_peak_bytes > 0 and s.predicted_peak_bytes > 0
+            assert math.isfinite(s.step_time_error) and math.isfinite(s.peak_error)
+        assert r.settings["baseline-M"].c_blocks == 0
+        assert r.settings["baseline-C"].c_blocks == r.n_blocks
+        assert r.settings["plan"].c_blocks == sum(m == "C" for m in r.modes.values())
+        assert r.settings["plan (refine=0)"].c_blocks == sum(m == "C" for m in r.modes_refine0.values())
+        assert r.speedup > 0 and r.speedup_paired[0] > 0
+
+
+def test_the_automatic_budget_lies_between_the_baselines(result):
+    small, large = result.rows[0], result.rows[-1]
+    assert small.settings["baseline-C"].fits  # the margin is above baseline-C's peak at the small end
+    assert result.budget_bytes >= large.settings["baseline-M"].peak_bytes
+    assert not large.settings["baseline-C"].fits  # ... and the plan matters at the large end
+    assert result.budget_bytes % 2**20 == 0 and "automatic" in result.budget_source
+
+
+def test_plans_keep_within_the_budget_and_use_c_mode_where_it_fits(result):
+    for r in result.rows:
+        assert r.settings["plan"].peak_bytes <= result.budget_bytes
+        assert r.settings["plan (refine=0)"].peak_bytes <= result.budget_bytes
+        if r.settings["baseline-C"].fits:
+            # Every block saves time in C-mode (t_e > 0 by construction), so the plan is baseline-C.
+            assert set(r.modes.values()) == {"C"}
+        # Refinement keeps a plan only if it is predicted faster.
+        assert r.settings["plan"].predicted_step_time_s <= r.settings["plan (refine=0)"].predicted_step_time_s
+
+
+def test_tables_and_sweep_result(result, tmp_path):
+    for table in (format_planner_table(result.rows), format_refine_table(result.rows)):
+        assert len(table.splitlines()) == 2 + len(result.rows)
+    assert len(format_accuracy_table(result.rows).splitlines()) == 2 + len(SETTINGS) * len(result.rows)
+    sweep = to_sweep_result(result)
+    assert [p.batch_size for p in sweep.points] == list(TINY.batch_sizes)
+    assert all(p.confirmed and p.profiled for p in sweep.points)
+    assert sweep.best_batch_size in TINY.batch_sizes and sweep.best_basis == "measured"
+    assert type(sweep).from_json(sweep.to_json()).points[0].modes == result.rows[0].modes
+    data = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    again = json.loads(json.dumps(PlannerBenchResult.from_dict(data).to_dict()))
+    assert again == data  # --from-json re-renders the same rows
+
+
+def test_script_writes_results_and_figures(tmp_path):
+    spec = importlib.util.spec_from_file_location("planner_sweep", ROOT / "benchmarks" / "planner_sweep.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "quick"
+    argv = ["--model", "revnet38", "--device", "cpu", "--batch-sizes", "2", "4", "--input-shape", "3", "8", "8",
+            "--budget", "64MiB", "--repeats", "1", "--warmup", "1", "--profile-repeats", "1", "--refine", "1",
+            "--out", str(out)]
+    assert script.main(argv) == 0
+    text = out.with_suffix(".md").read_text()
+    assert "command: `--model revnet38" in text and "64.00 MiB" in text and "load average" in text
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert [r["batch_size"] for r in data["rows"]] == [2, 4]
+    for suffix in ("_heatmap.png", "_step_times.png"):
+        assert (tmp_path / f"quick{suffix}").read_bytes()[:8] == PNG_SIGNATURE
