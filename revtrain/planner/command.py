@@ -63,6 +63,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the model's weights and the synthetic batch")
     parser.add_argument("--no-verify", action="store_true", help="skip checking that every block inverts")
+    parser.add_argument(
+        "--threads", type=int, default=None,
+        help="CPU threads for torch (default: torch's); 1 gives steadier timings on a shared machine",
+    )
     return parser
 
 
@@ -90,6 +94,10 @@ def _run(args: argparse.Namespace, out: TextIO) -> int:
     dev = resolve_device(torch.nn.Identity(), args.device)
     budget, explanation = resolve_budget(args.budget, dev)  # fail early on a malformed budget
     dtype = _DTYPES[args.dtype]
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(args.seed)
     model = create_model(args.model, num_classes=num_classes, in_channels=shape[0]).to(dev, dtype)
