@@ -14,6 +14,7 @@ Couplings hold no parameters: put learnable parts in ``F`` and ``G``.
 
 from __future__ import annotations
 
+import abc
 import math
 from typing import Union
 
@@ -28,18 +29,18 @@ __all__ = ["Coupling", "AdditiveCoupling", "AffineCoupling", "get_coupling", "Co
 FOut = Union[Tensor, tuple[Tensor, ...]]
 
 
-class Coupling:
+class Coupling(abc.ABC):
     """Base class of couplings; subclasses implement ``forward`` and ``inverse``."""
 
     name: str = "custom"
 
+    @abc.abstractmethod
     def forward(self, x: Tensor, h: FOut) -> Tensor:
         """Return ``y = c(x, h)``; ``h`` is the output of F or G on the other half."""
-        raise NotImplementedError(f"{type(self).__name__} must implement forward(x, h)")
 
+    @abc.abstractmethod
     def inverse(self, y: Tensor, h: FOut) -> Tensor:
         """Return ``x`` such that ``forward(x, h) == y``."""
-        raise NotImplementedError(f"{type(self).__name__} must implement inverse(y, h)")
 
     def vjp(self, x: Tensor, h: FOut, dy: Tensor) -> tuple[Tensor, FOut]:
         """Return ``(dL/dx, dL/dh)`` given ``dL/dy``; the default differentiates ``forward``."""

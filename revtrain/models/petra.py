@@ -20,6 +20,7 @@ A stage's first block, when it changes stride or channels, is not reversible
 
 from __future__ import annotations
 
+import abc
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -50,7 +51,7 @@ class NoUpdate(nn.Module):
         return torch.zeros_like(x)
 
 
-class _Transition(nn.Module):
+class _Transition(nn.Module, abc.ABC):
     """Split the input into PETRA's ``(x, x~)``; subclasses map them to ``(y, y~)``.
 
     Args:
@@ -67,8 +68,9 @@ class _Transition(nn.Module):
         x, x_tilde = halves[self.x_half], halves[1 - self.x_half]
         return torch.cat(self.streams(x, x_tilde), dim=1)
 
+    @abc.abstractmethod
     def streams(self, x: Tensor, x_tilde: Tensor) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
+        """Map PETRA's two streams ``(x, x~)`` to ``(y, y~)``."""
 
     def extra_repr(self) -> str:
         return f"x_half={self.x_half}"

@@ -191,3 +191,12 @@ def test_double_backward_is_refused_clearly():
     set_modes(model, "C")
     (gx,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
     assert gx.requires_grad
+
+
+def test_incomplete_user_coupling_fails_at_construction():
+    class OnlyForward(Coupling):
+        def forward(self, x, h):
+            return x + h
+
+    with pytest.raises(TypeError, match="inverse"):
+        OnlyForward()

@@ -99,10 +99,6 @@ def test_missing_plan_file_says_how_to_make_one(tiny_config: TinyConfig, tmp_pat
 
 
 def test_budget_plans_before_training_without_touching_the_model(tiny_config: TinyConfig) -> None:
-    import revtrain.planner
-
-    if not hasattr(revtrain.planner, "plan_for_model"):
-        pytest.skip("revtrain.planner.plan_for_model is not there yet")
     reference = Trainer(tiny_config("reference"))
     reference_rng = torch.get_rng_state()
     config = tiny_config("budget", budget="4GiB")
