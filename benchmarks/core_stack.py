@@ -27,10 +27,9 @@ from revtrain.bench import (
     resolve_device,
     run_stack_benchmark,
 )
+from revtrain.bench.machine import busy_machine_note
 
 ROOT = Path(__file__).resolve().parent.parent
-# Above this load per core, other processes compete for the cores and timings are disturbed.
-BUSY_LOAD_PER_CORE = 0.5
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,18 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _load_note(info_before: dict, info_after: dict) -> str | None:
-    cores = info_before.get("cpu_count") or 1
-    loads = [i["load_average"][0] for i in (info_before, info_after) if i.get("load_average")]
-    if loads and max(loads) > BUSY_LOAD_PER_CORE * cores:
-        return (
-            f"The machine was busy: 1-minute load average {', '.join(f'{x:.2f}' for x in loads)} "
-            f"(before, after) on {cores} cores. Other processes shared the cores, so absolute times "
-            "are inflated and noisy. The round-robin order spreads that noise over all methods, so "
-            "ratios suffer less, but not nothing: trust a ratio where the wall-time ratio, the "
-            "CPU-time ratio and the paired ratio (time_ratio_paired in the JSON) agree."
-        )
-    return None
+_BUSY_ADVICE = (
+    "Other processes shared the cores, so absolute times are inflated and noisy. The round-robin order spreads that noise over all methods, so ratios suffer less, but not nothing: trust a ratio where the wall-time ratio, the CPU-time ratio and the paired ratio (time_ratio_paired in the JSON) agree."
+)
 
 
 def _markdown(config: StackBenchConfig, table: str, meta: dict) -> str:
@@ -140,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": before,
         "machine_after": after,
         "wall_s": wall,
-        "note": _load_note(before, after),
+        "note": busy_machine_note(before, after, _BUSY_ADVICE),
     }
     out = args.out if args.out is not None else ROOT / "results" / f"core_stack_{device.type}"
     out.parent.mkdir(parents=True, exist_ok=True)

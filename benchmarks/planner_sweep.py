@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from revtrain.bench import machine_info
+from revtrain.bench.machine import busy_machine_note
 from revtrain.bench.planner import (
     PlannerBenchConfig,
     PlannerBenchResult,
@@ -39,7 +40,6 @@ from revtrain.planner.plots import plot_decision_heatmap, plot_step_times
 
 ROOT = Path(__file__).resolve().parent.parent
 # Above this load per core, other processes compete for the cores and timings are disturbed.
-BUSY_LOAD_PER_CORE = 0.5
 DEFAULT_SIZES = {"cpu": (8, 16, 32, 64), "cuda": (64, 128, 256, 512, 1024)}
 
 
@@ -89,16 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _load_note(before: dict, after: dict) -> str | None:
-    cores = before.get("cpu_count") or 1
-    loads = [i["load_average"][0] for i in (before, after) if i.get("load_average")]
-    if loads and max(loads) > BUSY_LOAD_PER_CORE * cores:
-        return (
-            f"The machine was busy: 1-minute load average {', '.join(f'{x:.2f}' for x in loads)} "
-            f"(before, after) on {cores} cores. Absolute times are inflated and noisy; the settings' "
-            "steps alternate, so the paired ratios (median of per-round ratios) suffer least."
-        )
-    return None
+_BUSY_ADVICE = (
+    "Absolute times are inflated and noisy; the settings' steps alternate, so the paired ratios (median of per-round ratios) suffer least."
+)
 
 
 def _summary(result: PlannerBenchResult) -> list[str]:
@@ -249,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     after = machine_info(device)
     meta = {
         "command": command, "machine": before, "machine_after": after, "wall_s": wall,
-        "note": _load_note(before, after),
+        "note": busy_machine_note(before, after, _BUSY_ADVICE),
     }
     out = args.out if args.out is not None else ROOT / "results" / f"planner_{args.model}_{device.type}"
     figures = _write(result, meta, out)

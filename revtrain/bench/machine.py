@@ -10,7 +10,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "cpu_model", "load_average"]
+__all__ = ["machine_info", "cpu_model", "load_average", "busy_machine_note", "BUSY_LOAD_PER_CORE"]
+
+BUSY_LOAD_PER_CORE = 0.5
+"""Load average per core above which other processes are taken to have shared the cores."""
 
 _TIMING_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "GLIBC_TUNABLES", "LD_PRELOAD", "OMP_WAIT_POLICY")
 
@@ -66,3 +69,26 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
             cudnn=torch.backends.cudnn.version(),
         )
     return info
+
+
+def busy_machine_note(before: dict[str, Any], after: dict[str, Any], advice: str) -> str | None:
+    """A warning for a results file when other processes shared the cores, else ``None``.
+
+    ``before`` and ``after`` are :func:`machine_info` records taken around the measurement. The
+    load before counts as is; the load after includes the measurement's own threads, which are
+    subtracted, so that a run on an idle machine is not reported as busy because of itself.
+    """
+    cores = before.get("cpu_count") or 1
+    own = before.get("torch_threads") or 1
+    loads = [i["load_average"][0] for i in (before, after) if i.get("load_average")]
+    others = []
+    if before.get("load_average"):
+        others.append(before["load_average"][0])
+    if after.get("load_average"):
+        others.append(max(0.0, after["load_average"][0] - own))
+    if not others or max(others) <= BUSY_LOAD_PER_CORE * cores:
+        return None
+    return (
+        f"The machine was busy: 1-minute load average {', '.join(f'{x:.2f}' for x in loads)} "
+        f"(before, after; the run itself adds up to {own}) on {cores} cores. {advice}"
+    )
