@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from revtrain.device import resolve_device
 from revtrain.memory import format_bytes
 from revtrain.planner import (
     Plan,
@@ -353,9 +354,7 @@ def run_planner_benchmark(
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     try:
-        dev = torch.device(config.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {config.device!r} asked for, but CUDA is not available; use 'cpu'")
+        dev = resolve_device(config.device)
         dtype = _DTYPES[config.dtype]
         info = model_info(config.model)
         shape = config.input_shape or tuple(info.input_size)

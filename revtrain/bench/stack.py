@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes
+from revtrain.device import resolve_device
 from revtrain.memory import format_bytes, track_peak_memory
 
 __all__ = [
@@ -54,16 +55,6 @@ METHODS: tuple[str, ...] = ("plain", "M", "C", "checkpoint")
 
 class GradientMismatchError(RuntimeError):
     """A method's gradients differ from plain autograd's: its timing would measure a broken path."""
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` means CUDA when available, else CPU; a CUDA device must be available."""
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for, but CUDA is not available; use 'cpu' or 'auto'")
-    return dev
 
 
 @dataclass(kw_only=True)

@@ -24,6 +24,7 @@ import re
 
 import torch
 
+from revtrain.device import resolve_device
 from revtrain.memory import format_bytes, parse_bytes
 
 __all__ = ["available_memory_bytes", "resolve_budget"]
@@ -164,10 +165,7 @@ def _usage(problem: str) -> str:
 def _device(device: torch.device | str | None) -> torch.device:
     if device is None:
         return torch.device("cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {dev} was asked for but CUDA is not available; use 'cpu'")
-    return dev
+    return resolve_device(device)
 
 
 def _cuda_index(dev: torch.device) -> int:

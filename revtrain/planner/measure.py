@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from revtrain.core import get_modes, set_modes
+from revtrain.device import resolve_device as _resolve
 from revtrain.memory import track_peak_memory
 
 __all__ = [
@@ -91,11 +92,7 @@ def resolve_device(model: nn.Module, device: torch.device | str | None) -> torch
         for tensor in _model_tensors(model):
             return tensor.device
         return torch.device("cpu")
-    if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {dev} was asked for but CUDA is not available; use 'cpu'")
+    dev = _resolve(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev

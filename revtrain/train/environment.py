@@ -8,6 +8,7 @@ import random
 import numpy as np
 import torch
 
+from revtrain.device import resolve_device as _resolve
 from revtrain.train.config import ConfigError
 
 __all__ = ["resolve_device", "seed_everything", "busy_cpu_note"]
@@ -15,11 +16,10 @@ __all__ = ["resolve_device", "seed_everything", "busy_cpu_note"]
 
 def resolve_device(name: str) -> torch.device:
     """``"auto"``: CUDA when available, else CPU; ``"cuda"`` must be available."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for but CUDA is not available; use --device cpu or auto")
-    return torch.device(name)
+    try:
+        return _resolve(name)
+    except ValueError as e:
+        raise ConfigError(f"--device {name} was asked for but CUDA is not available; use --device cpu or auto") from e
 
 
 def seed_everything(seed: int) -> None:
