@@ -7,8 +7,8 @@ are plain PyTorch: set memory modes from outside with :func:`revtrain.core.set_m
 """
 
 # Importing the model files registers their variants.
-from revtrain.models import petra, resnet, revnet  # noqa: F401
-from revtrain.models.petra import PetraRevNet
+from revtrain.models import resnet, revnet, revnet_single_branch  # noqa: F401
+from revtrain.models.revnet_single_branch import PetraRevNet
 from revtrain.models.registry import (
     ModelInfo,
     count_params,

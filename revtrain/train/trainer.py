@@ -42,7 +42,7 @@ from revtrain.train.checkpoint import (
 from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.environment import busy_cpu_note, resolve_device, seed_everything
 from revtrain.train.metrics import EpochStats, MetricsWriter, live_memory, measure_step_memory
-from revtrain.train.modes import apply_memory_strategy
+from revtrain.train.memory_strategy import apply_memory_strategy
 from revtrain.train.optim import LRSchedule, build_optimizer, build_scheduler
 from revtrain.train.runs import RUNS_ROOT, find_resume_checkpoint, new_run_dir
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from revtrain.core import get_modes, set_modes
 from revtrain.models import create_model, list_models, model_info
 from revtrain.models.blocks import PadShortcut
-from revtrain.models.petra import NoUpdate
+from revtrain.models.revnet_single_branch import NoUpdate
 
 # float64 tolerances. The only difference between the modes is rounding in the rebuilt
 # inputs, which compounds over a run of up to 10 consecutive blocks; measured worst case:
