@@ -9,10 +9,13 @@ are plain PyTorch: set memory modes from outside with :func:`revtrain.core.set_m
 # Importing the model files registers their variants.
 from revtrain.models import resnet, revnet, revnet_single_branch  # noqa: F401
 from revtrain.models.revnet_single_branch import PetraRevNet
+from revtrain.models.inputs import InputSpec, image_input, token_input
 from revtrain.models.registry import (
     ModelInfo,
     count_params,
     create_model,
+    example_batch,
+    input_spec,
     list_models,
     model_info,
     register_model,
@@ -21,6 +24,7 @@ from revtrain.models.resnet import PreActResNet, ResNet
 from revtrain.models.revnet import RevNet
 
 __all__ = [
+    "InputSpec",
     "ModelInfo",
     "PetraRevNet",
     "PreActResNet",
@@ -28,7 +32,11 @@ __all__ = [
     "RevNet",
     "count_params",
     "create_model",
+    "example_batch",
+    "image_input",
+    "input_spec",
     "list_models",
     "model_info",
     "register_model",
+    "token_input",
 ]

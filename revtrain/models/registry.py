@@ -22,10 +22,14 @@ from dataclasses import dataclass
 from typing import TypeVar, overload
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+
+from revtrain.models.inputs import InputSpec, image_input
 
 __all__ = [
     "ModelInfo",
+    "example_batch",
+    "input_spec",
     "register_model",
     "create_model",
     "list_models",
@@ -48,16 +52,25 @@ class ModelInfo:
     """Whether the model contains reversible blocks (RevNets) or none (ResNets)."""
     dataset: str
     """The dataset the paper's configuration targets (``"CIFAR-10"``, ``"ImageNet"``)."""
-    num_classes: int
-    """Default number of classes, the one the paper's parameter count is for."""
-    input_size: tuple[int, int, int]
-    """The input size ``(C, H, W)`` of the paper's configuration; others work too."""
+    inputs: InputSpec
+    """What the model eats in the paper's configuration (shape, dtype, classes or vocabulary);
+    :func:`example_batch` builds batches from it. Other sizes work too."""
     paper: str
     """Where the architecture comes from, e.g. ``"Gomez et al. 2017, Table 2"``."""
     paper_params: int | None = None
     """Parameter count printed in the paper (exact to its rounding), or None if it gives none."""
     description: str = ""
     """One line on what the variant is (first line of the variant function's docstring)."""
+
+    @property
+    def num_classes(self) -> int:
+        """Default number of classes (or vocabulary size), the one the paper's count is for."""
+        return self.inputs.num_classes
+
+    @property
+    def input_size(self) -> tuple[int, ...]:
+        """The shape of one sample in the paper's configuration: ``(C, H, W)`` or ``(T,)``."""
+        return self.inputs.shape
 
 
 _REGISTRY: dict[str, ModelInfo] = {}
@@ -70,8 +83,9 @@ def register_model(
     *,
     reversible: bool,
     dataset: str,
-    num_classes: int,
-    input_size: tuple[int, int, int],
+    num_classes: int | None = None,
+    input_size: tuple[int, int, int] | None = None,
+    inputs: InputSpec | None = None,
     paper: str,
     paper_params: float | None = None,
 ) -> Callable[[ModelFn], ModelFn]: ...
@@ -82,8 +96,10 @@ def register_model(fn=None, /, **info):  # type: ignore[no-untyped-def]
 
     Use bare (``@register_model``) for a model without paper metadata, or with keyword
     arguments, the fields of :class:`ModelInfo` other than ``name``, ``builder`` and
-    ``description``. ``paper_params`` may be given in any unit that reads well (``0.46e6``);
-    it is stored as an int. Registering a name twice raises ``ValueError``.
+    ``description``. The input is either ``inputs=`` (an :class:`InputSpec`, e.g. token ids)
+    or, for image classifiers, ``input_size=(C, H, W)`` and ``num_classes=``.
+    ``paper_params`` may be given in any unit that reads well (``0.46e6``); it is stored as an
+    int. Registering a name twice raises ``ValueError``.
     """
 
     def decorate(builder: ModelFn) -> ModelFn:
@@ -95,8 +111,13 @@ def register_model(fn=None, /, **info):  # type: ignore[no-untyped-def]
             fields["paper_params"] = round(fields["paper_params"])
         fields.setdefault("reversible", False)
         fields.setdefault("dataset", "unspecified")
-        fields.setdefault("num_classes", 10)
-        fields.setdefault("input_size", (3, 32, 32))
+        num_classes = fields.pop("num_classes", None)
+        input_size = fields.pop("input_size", None)
+        if fields.get("inputs") is None:
+            c, h, w = input_size or (3, 32, 32)
+            fields["inputs"] = image_input(c, h, w, num_classes or 10)
+        elif input_size is not None or num_classes is not None:
+            raise ValueError(f"model {name!r}: give either inputs= or input_size=/num_classes=, not both")
         fields.setdefault("paper", "")
         doc = (builder.__doc__ or "").strip().splitlines()
         _REGISTRY[name] = ModelInfo(
@@ -134,6 +155,36 @@ def create_model(name: str, **overrides: object) -> nn.Module:
         ValueError: ``name`` is not registered; the message lists close matches.
     """
     return model_info(name).builder(**overrides)
+
+
+def input_spec(
+    name: str, *, input_size: tuple[int, ...] | None = None, num_classes: int | None = None
+) -> InputSpec:
+    """The input specification of a registered model, with the sample shape or classes replaced.
+
+    Use the same replacements you pass to :func:`create_model` (e.g. ``input_size=(1, 8, 8),
+    num_classes=10`` for a CIFAR model built with ``in_channels=1`` for digits).
+    """
+    return model_info(name).inputs.with_changes(shape=input_size, num_classes=num_classes)
+
+
+def example_batch(
+    name: str,
+    batch_size: int,
+    device: torch.device | str = "cpu",
+    *,
+    seed: int = 0,
+    input_size: tuple[int, ...] | None = None,
+    num_classes: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """A random ``(inputs, targets)`` batch that the registered model ``name`` accepts.
+
+    Built from the model's :class:`~revtrain.models.inputs.InputSpec` (see
+    :meth:`InputSpec.example`): the same for the same ``seed``, on ``device``.
+    ``input_size`` and ``num_classes`` replace the spec's, as in :func:`input_spec`.
+    """
+    spec = input_spec(name, input_size=input_size, num_classes=num_classes)
+    return spec.example(batch_size, device, seed=seed)
 
 
 def count_params(name: str, **overrides: object) -> int:
