@@ -1,9 +1,17 @@
-"""The reversible core: couplings, blocks, sequences, modes and verification."""
+"""The reversible core: couplings, blocks, invertible layers, sequences, modes, verification.
 
-from revtrain.core.block import MODES, Mode, ReversibleBlock, split_halves
+Floors, each importing only those below it (no circles):
+``coupling``, ``replay``, ``checks`` -> ``step`` (the protocol and the public rebuild step)
+-> ``function`` (the M-mode autograd function) -> ``invertible`` (the base of every layer with
+a mode) -> ``block`` -> ``sequence`` -> ``modes`` -> ``verify``.
+"""
+
+from revtrain.core.block import ReversibleBlock, split_halves
 from revtrain.core.coupling import AdditiveCoupling, AffineCoupling, Coupling, get_coupling
+from revtrain.core.invertible import MODES, Invertible, Mode, trainable_params
 from revtrain.core.modes import get_modes, reversible_blocks, set_modes
 from revtrain.core.sequence import ReversibleSequence
+from revtrain.core.step import ReversibleStep, StepResult, reverse_step
 from revtrain.core.verify import BlockCheck, VerificationReport, verify_invertible
 
 __all__ = [
@@ -11,15 +19,20 @@ __all__ = [
     "AffineCoupling",
     "BlockCheck",
     "Coupling",
+    "Invertible",
     "MODES",
     "Mode",
     "ReversibleBlock",
     "ReversibleSequence",
+    "ReversibleStep",
+    "StepResult",
     "VerificationReport",
     "get_coupling",
     "get_modes",
+    "reverse_step",
     "reversible_blocks",
     "set_modes",
     "split_halves",
+    "trainable_params",
     "verify_invertible",
 ]

@@ -1,4 +1,8 @@
-"""Find the reversible blocks of any model and read or set their modes by module name."""
+"""Find the reversible layers of any model and read or set their modes by module name.
+
+A reversible layer is any :class:`~revtrain.core.Invertible`: coupling blocks
+(:class:`~revtrain.core.ReversibleBlock`) and invertible layers alike.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,15 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from revtrain.core.block import Mode, ReversibleBlock, normalize_mode
+from revtrain.core.invertible import Invertible, Mode, normalize_mode
 
 __all__ = ["reversible_blocks", "set_modes", "get_modes"]
 
 
-def reversible_blocks(model: nn.Module) -> list[tuple[str, ReversibleBlock]]:
-    """Every ``ReversibleBlock`` in ``model``, in module order, with its ``named_modules`` name."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, ReversibleBlock)]
+def reversible_blocks(model: nn.Module) -> list[tuple[str, Invertible]]:
+    """Every reversible layer (``Invertible``: coupling blocks and invertible layers) in
+    ``model``, in module order, with its ``named_modules`` name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Invertible)]
 
 
 def get_modes(model: nn.Module) -> dict[str, Mode]:

@@ -6,8 +6,8 @@ backward, and each is handled here:
 - random numbers (dropout): :class:`RngState` captures the generators before ``F`` runs and
   replays them around the rebuild, then puts the generators back as they were;
 - autocast: :class:`AutocastState` records the forward's autocast settings and re-enters them;
-- batch-norm running statistics: :func:`frozen_running_stats` keeps the rebuild from updating
-  them a second time.
+- batch-norm running statistics: :func:`no_running_stat_updates` keeps the rebuild from
+  updating them a second time, without writing to them.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["RngState", "AutocastState", "frozen_running_stats"]
+__all__ = ["RngState", "AutocastState", "no_running_stat_updates"]
 
 
 @dataclass(frozen=True)
@@ -89,28 +89,23 @@ def _stat_norms(modules: Iterable[nn.Module]) -> list[_NormBase]:
 
 
 @contextlib.contextmanager
-def frozen_running_stats(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Leave the running statistics of every norm layer in ``modules`` as they were.
+def no_running_stat_updates(*modules: nn.Module) -> Iterator[None]:
+    """Run the body without updating the running statistics of norm layers in ``modules``.
 
     Batch norm in training mode normalises with the statistics of the batch it sees, so a
-    rebuild computes the same outputs as the forward; only the running averages would be
-    updated a second time, and those are restored here.
+    rebuild computes the same outputs as the forward whether or not it also updates the running
+    averages. The rebuild must not update them a second time, and it must not write to them
+    either: other pending graphs (a weight-tied block run in C-mode, a second backward with
+    ``retain_graph=True``) saved those very tensors, and an in-place write would bump their
+    version counters. So instead of saving and restoring the statistics, the layers are told
+    not to track them for the duration (``track_running_stats = False`` in training mode means
+    "use the batch statistics, update nothing"); no tensor is touched.
     """
     norms = _stat_norms(modules)
-    saved = [
-        (m.running_mean.clone() if m.running_mean is not None else None,
-         m.running_var.clone() if m.running_var is not None else None,
-         m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
-        for m in norms
-    ]
+    for m in norms:
+        m.track_running_stats = False
     try:
         yield
     finally:
-        with torch.no_grad():
-            for m, (mean, var, count) in zip(norms, saved):
-                if mean is not None:
-                    m.running_mean.copy_(mean)
-                if var is not None:
-                    m.running_var.copy_(var)
-                if count is not None:
-                    m.num_batches_tracked.copy_(count)
+        for m in norms:
+            m.track_running_stats = True

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from revtrain.core.block import ReversibleBlock, split_halves
-from revtrain.core.function import check_pair, run_m_mode
+from revtrain.core.function import check_state, run_reversible
+from revtrain.core.step import Grads, State, StepResult
 
 __all__ = ["ReversibleSequence"]
 
@@ -21,10 +23,18 @@ class ReversibleSequence(nn.Module):
     C-mode blocks between them run as ordinary layers. The sequence itself is reversible and
     mixes with ordinary layers in ``nn.Sequential``.
 
+    A sequence is itself a reversible step (:class:`~revtrain.core.step.ReversibleStep`), so
+    :func:`~revtrain.core.reverse_step` can rebuild and backpropagate through all its blocks at
+    once (what a PETRA stage does).
+
     Args:
         *blocks: ``ReversibleBlock`` instances, or a single iterable of them. All must share
             ``split_dim`` (the sequence splits and concatenates along it).
     """
+
+    check_reconstruction = False  # each block checks its own rebuild
+    drift_tolerance = float("inf")
+    drift_action = "warn"
 
     def __init__(self, *blocks: ReversibleBlock | Iterable[ReversibleBlock]) -> None:
         super().__init__()
@@ -57,7 +67,7 @@ class ReversibleSequence(nn.Module):
     def forward(self, x: Tensor, x2: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         pair = x2 is not None
         x1, x2 = (x, x2) if pair else split_halves(x, self.split_dim)
-        check_pair(x1, x2)
+        check_state((x1, x2))
         blocks: list[ReversibleBlock] = list(self.blocks)  # type: ignore[arg-type]
         grad = torch.is_grad_enabled()
         i, n = 0, len(blocks)
@@ -68,8 +78,8 @@ class ReversibleSequence(nn.Module):
                     j += 1
                 if j == n and not pair:
                     # The last run concatenates inside the function: one saved copy of the output.
-                    return run_m_mode(tuple(blocks[i:j]), x1, x2, concat_dim=self.split_dim)
-                x1, x2 = run_m_mode(tuple(blocks[i:j]), x1, x2, concat_dim=None)
+                    return run_reversible(blocks[i:j], (x1, x2), join_dim=self.split_dim)  # type: ignore[return-value]
+                x1, x2 = run_reversible(blocks[i:j], (x1, x2), join_dim=None)  # type: ignore[misc]
                 i = j
             else:
                 x1, x2 = blocks[i](x1, x2)
@@ -83,3 +93,52 @@ class ReversibleSequence(nn.Module):
         for block in reversed(self.blocks):
             y1, y2 = block.inverse_pair(y1, y2)  # type: ignore[operator]
         return (y1, y2) if pair else torch.cat([y1, y2], dim=self.split_dim)
+
+    # -- the reversible step over all blocks (for revtrain.core.reverse_step) ------------------
+
+    def step_params(self) -> list[Tensor]:
+        seen: set[int] = set()
+        out: list[Tensor] = []
+        for block in self.blocks:
+            for p in block.step_params():  # type: ignore[operator]
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
+
+    def step_forward(self, xs: State) -> tuple[State, Any]:
+        records = []
+        for block in self.blocks:
+            xs, record = block.step_forward(xs)  # type: ignore[operator]
+            records.append(record)
+        return xs, records
+
+    def step_reverse(
+        self, ys: State, dys: Grads, record: Any, params: Sequence[Tensor], need_input_grad: bool
+    ) -> StepResult:
+        index = {id(p): k for k, p in enumerate(params)}
+        grads: list[Tensor | None] = [None] * len(params)
+        blocks = list(self.blocks)
+        for i in reversed(range(len(blocks))):
+            block = blocks[i]
+            block_params = block.step_params()  # type: ignore[operator]
+            result = block.step_reverse(  # type: ignore[operator]
+                ys, dys, record[i] if record is not None else None, block_params, i > 0 or need_input_grad
+            )
+            for p, g in zip(block_params, result.param_grads):
+                k = index[id(p)]
+                if g is not None:
+                    grads[k] = g if grads[k] is None else grads[k] + g  # type: ignore[operator]
+            ys, dys = result.inputs, result.grad_inputs
+        return StepResult(ys, dys, grads)
+
+    def to_state(self, value: Any) -> State:
+        if isinstance(value, (tuple, list)):
+            return tuple(value)
+        return split_halves(value, self.split_dim)
+
+    def from_state(self, state: State) -> Any:
+        return torch.cat(list(state), dim=self.split_dim)
+
+    def describe(self) -> str:
+        return f"ReversibleSequence of {len(self.blocks)} blocks"

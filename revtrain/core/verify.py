@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from revtrain.core.block import ReversibleBlock, split_halves
+from revtrain.core.invertible import Invertible
 from revtrain.core.modes import reversible_blocks
-from revtrain.core.replay import RngState, frozen_running_stats
+from revtrain.core.replay import RngState, no_running_stat_updates
 from revtrain.errors import NotInvertibleError
 
 __all__ = ["verify_invertible", "BlockCheck", "VerificationReport", "default_tolerance"]
@@ -88,37 +88,36 @@ def verify_invertible(
     names = {id(block): name for name, block in reversible_blocks(module)}
     if not names:
         raise ValueError(
-            f"{type(module).__name__} contains no ReversibleBlock; nothing to verify"
+            f"{type(module).__name__} contains no reversible layer (ReversibleBlock or other "
+            "Invertible); nothing to verify"
         )
     report = VerificationReport()
-    pending: dict[int, tuple[RngState, Tensor, Tensor]] = {}
+    pending: dict[int, tuple[RngState, tuple[Tensor, ...]]] = {}
 
-    def before(block: ReversibleBlock, args: tuple) -> None:
-        x1, x2 = args if len(args) == 2 else split_halves(args[0], block.split_dim)
-        pending[id(block)] = (RngState.capture(x1.device), x1.detach().clone(), x2.detach().clone())
+    def before(layer: Invertible, args: tuple) -> None:
+        xs = layer.to_state(args if len(args) > 1 else args[0])
+        pending[id(layer)] = (RngState.capture(xs[0].device), tuple(x.detach().clone() for x in xs))
 
-    def after(block: ReversibleBlock, args: tuple, output: Any) -> None:
-        rng, x1, x2 = pending.pop(id(block))
-        y1, y2 = output if isinstance(output, tuple) else split_halves(output, block.split_dim)
-        # Rebuild exactly as backward does: G on y1 with G's random numbers (those the forward
-        # drew after F's), then F on the rebuilt x2 with F's.
-        with rng.replay(), frozen_running_stats([block]):
-            block.f(x2)
-            rng_g = RngState.capture(x1.device)
-        with rng_g.replay(), frozen_running_stats([block]):
-            x2_rebuilt = block.coupling.inverse(y2, block.g(y1))
-        with rng.replay(), frozen_running_stats([block]):
-            x1_rebuilt = block.coupling.inverse(y1, block.f(x2_rebuilt))
+    def after(layer: Invertible, args: tuple, output: Any) -> None:
+        rng, xs = pending.pop(id(layer))
+        ys = tuple(y.detach() for y in layer.to_state(output))
+        # Rebuild exactly as backward does: the forward's record (its generator states) comes
+        # from running the layer's step once more with the generators it started from; then
+        # the layer's own reverse step rebuilds the input (no gradient asked for).
+        with rng.replay(), no_running_stat_updates(layer):
+            _, record = layer.step_forward(xs)
+        with no_running_stat_updates(layer):
+            result = layer.step_reverse(ys, (None,) * len(ys), record, layer.step_params(), False)
         err, scale = 0.0, 0.0
-        for real, rebuilt in ((x1, x1_rebuilt), (x2, x2_rebuilt)):
+        for real, rebuilt in zip(xs, result.inputs):
             diff = (real.double() - rebuilt.double()).abs()
             err = max(err, float(diff.max()) if diff.numel() else 0.0)
             scale = max(scale, float(real.double().abs().max()) if real.numel() else 0.0)
         rel = err / scale if scale > 0 else err
         if rel != rel:  # NaN: a non-finite rebuild is a failure, whatever the tolerance
             rel = float("inf")
-        tol = rtol if rtol is not None else default_tolerance(x1.dtype)
-        report.checks.append(BlockCheck(names[id(block)], err, rel, tol))
+        tol = rtol if rtol is not None else default_tolerance(xs[0].dtype)
+        report.checks.append(BlockCheck(names[id(layer)], err, rel, tol))
 
     state = {k: v.clone() for k, v in module.state_dict().items() if isinstance(v, Tensor)}
     cpu_rng = torch.get_rng_state()

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from revtrain.core import ReversibleBlock, ReversibleSequence, get_modes, set_modes
-from revtrain.core.function import _MModeRun
+from revtrain.core.function import _ReversibleRun
 
 from .helpers import assert_grads_close, conv_fn, grads, make_stack, plain_twin
 
@@ -119,13 +119,13 @@ def test_gradcheck_custom_function(coupling):
         ReversibleBlock(nn.Linear(3, 3 * mult), nn.Sequential(nn.Linear(3, 3 * mult), nn.Tanh()), coupling=coupling).double()
         for _ in range(2)
     )
-    param_lists = tuple((list(b.f.parameters()), list(b.g.parameters())) for b in blocks)
-    params = [p for f_params, g_params in param_lists for p in (*f_params, *g_params)]
+    param_lists = tuple(b.step_params() for b in blocks)
+    params = [p for plist in param_lists for p in plist]
     x1 = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
     x2 = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
 
     def fn(a, b, *ps):
-        return _MModeRun.apply(blocks, None, param_lists, a, b, *ps)
+        return _ReversibleRun.apply(blocks, None, param_lists, 2, a, b, *ps)
 
     assert torch.autograd.gradcheck(fn, (x1, x2, *params), eps=1e-6, atol=1e-8)
 

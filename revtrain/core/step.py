@@ -1,0 +1,184 @@
+"""The reversible step: what the M-mode machinery knows of a layer, and the public rebuild step.
+
+Every layer that can drop its input and rebuild it in backward — a two-branch coupling block,
+an invertible layer such as In-place ABN, a whole sequence of them — implements the small
+:class:`ReversibleStep` protocol. The autograd function of M-mode (``core/function.py``) knows
+layers only through it, and so does :func:`reverse_step`, the documented public step
+"rebuild this layer's input from its output and backpropagate through it", which
+stage-parallel training (PETRA) calls outside any autograd graph.
+
+A layer's *state* is a tuple of tensors: ``(x1, x2)`` for a coupling block, ``(x,)`` for a
+single-tensor invertible layer. ``step_forward`` maps input state to output state without
+building a graph and returns a *record*: whatever the layer's rebuild needs from the forward
+(random generator states for dropout replay, the parameters it ran with). ``step_reverse``
+takes the output state, its gradient and the record, rebuilds the input state while building
+the graph it needs once, and returns the input state, its gradient and the parameter gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, Union
+
+import torch
+from torch import Tensor, nn
+
+from revtrain.core.replay import AutocastState, no_running_stat_updates
+
+__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads"]
+
+State = tuple[Tensor, ...]
+"""The tensors a reversible layer maps: ``(x1, x2)`` for coupling blocks, ``(x,)`` otherwise."""
+
+Grads = tuple[Union[Tensor, None], ...]
+"""Gradients of a state; ``None`` where that tensor does not reach the loss."""
+
+
+@dataclass
+class StepResult:
+    """What one reverse step returns."""
+
+    inputs: State
+    """The rebuilt input state, detached from any graph."""
+    grad_inputs: Grads
+    """The gradient of the loss with respect to each input tensor (None where not needed)."""
+    param_grads: list[Tensor | None]
+    """Gradients of the layer's :meth:`ReversibleStep.step_params`, in the same order."""
+
+
+class ReversibleStep(Protocol):
+    """What a layer provides to take part in M-mode (memory-centric) execution.
+
+    ``revtrain.core.ReversibleBlock``, ``ReversibleSequence`` and every
+    ``revtrain.core.Invertible`` implement it; a new kind of invertible layer subclasses
+    ``Invertible`` (which supplies a generic :meth:`step_reverse`) rather than implementing
+    this protocol from scratch.
+    """
+
+    check_reconstruction: bool
+    """Compare a fingerprint of the input taken in the forward with the rebuilt input."""
+    drift_tolerance: float
+    """Relative rebuild error allowed by that check."""
+    drift_action: Literal["warn", "raise"]
+    """What a larger error does."""
+
+    def step_params(self) -> list[Tensor]:
+        """The trainable tensors this layer's output depends on, in a fixed order."""
+        ...
+
+    def step_forward(self, xs: State) -> tuple[State, Any]:
+        """Compute the output state without a graph; return it and the record backward needs."""
+        ...
+
+    def step_reverse(
+        self, ys: State, dys: Grads, record: Any, params: Sequence[Tensor], need_input_grad: bool
+    ) -> StepResult:
+        """Rebuild the input state from ``ys`` and backpropagate ``dys`` through the layer.
+
+        Runs with grad mode enabled by the caller. ``record`` is what :meth:`step_forward`
+        returned, or ``None`` (no replay of random generators: e.g. PETRA, whose backward runs
+        with parameters that changed since the forward). ``params`` are the tensors to
+        differentiate with respect to (what :meth:`step_params` returned at forward time).
+        ``need_input_grad=False`` lets a layer skip the gradient of its input.
+        """
+        ...
+
+    def to_state(self, value: Any) -> State:
+        """The state of a user-facing value (split one tensor into halves, or wrap it)."""
+        ...
+
+    def from_state(self, state: State) -> Any:
+        """The user-facing value of a state (concatenate halves, or unwrap)."""
+        ...
+
+    def describe(self) -> str:
+        """A short description for error messages."""
+        ...
+
+
+def autograd_grads(
+    outputs: Sequence[Tensor | tuple[Tensor, ...]],
+    inputs: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor | tuple[Tensor, ...] | None],
+) -> list[Tensor | None]:
+    """``torch.autograd.grad`` over outputs that may be tuples or not need gradients.
+
+    Outputs with a ``None`` gradient, or that do not require grad, are skipped (like plain
+    autograd, the functions that only feed them get ``None``); each gradient is cast to its
+    output's dtype (autocast may have changed it).
+    """
+    outs: list[Tensor] = []
+    douts: list[Tensor] = []
+    for out, dout in zip(outputs, grad_outputs):
+        if dout is None:
+            continue
+        pairs = zip(out, dout) if isinstance(out, tuple) else ((out, dout),)
+        for o, d in pairs:
+            if o.requires_grad and d is not None:
+                outs.append(o)
+                douts.append(d.to(o.dtype))
+    if not outs or not inputs:
+        return [None] * len(inputs)
+    return list(torch.autograd.grad(outs, list(inputs), douts, allow_unused=True))
+
+
+def reverse_step(
+    layer: ReversibleStep,
+    outputs: Any,
+    grad_outputs: Any,
+    *,
+    record: Any = None,
+    accumulate: bool = True,
+    update_running_stats: bool = False,
+    autocast: AutocastState | None = None,
+) -> tuple[Any, Any]:
+    """Rebuild ``layer``'s input from its output and backpropagate through it, outside autograd.
+
+    This is the step M-mode backward runs for every layer, offered on its own for code that
+    drives backward itself: a PETRA stage receives ``(y, dL/dy)`` from the stage above, calls
+    this with its *current* parameters, and sends the returned ``(x, dL/dx)`` down.
+
+    Args:
+        layer: A ``ReversibleBlock``, ``ReversibleSequence`` or ``Invertible`` layer.
+        outputs: The layer's output as the layer returns it (one tensor, or a pair for blocks
+            called on pairs); used detached.
+        grad_outputs: ``dL/d outputs``, the same structure (None entries mean "unused").
+        record: The record of the forward that produced ``outputs`` (replays its random
+            numbers); None to run the rebuild with the generators as they are.
+        accumulate: Add the parameter gradients into ``p.grad`` (like ``backward()``);
+            with False they are only returned.
+        update_running_stats: Let batch-norm layers in training mode update their running
+            statistics during the rebuild (PETRA updates them in its backward recompute);
+            by default the rebuild leaves them alone, as M-mode backward does.
+        autocast: Autocast settings to run the rebuild under (default: none).
+
+    Returns:
+        ``(inputs, grad_inputs)`` in the layer's user-facing structure: the rebuilt input
+        (detached) and ``dL/d inputs``.
+    """
+    ys = tuple(t.detach() for t in layer.to_state(outputs))
+    if isinstance(grad_outputs, (tuple, list)):
+        dys = tuple(grad_outputs)
+    else:
+        dys = tuple(layer.to_state(grad_outputs))
+    params = layer.step_params()
+    frozen = () if update_running_stats or not isinstance(layer, nn.Module) else (layer,)
+    with torch.enable_grad(), autocast.context() if autocast else contextlib.nullcontext(), \
+            no_running_stat_updates(*frozen):
+        result = layer.step_reverse(ys, dys, record, params, True)
+    if accumulate:
+        with torch.no_grad():
+            for p, g in zip(params, result.param_grads):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g.detach().clone() if g.requires_grad else g
+                else:
+                    p.grad.add_(g)
+    if isinstance(outputs, (tuple, list)):  # the caller works on states: answer in states
+        return tuple(result.inputs), tuple(result.grad_inputs)
+    dxs = result.grad_inputs
+    grad_in = None if any(g is None for g in dxs) else layer.from_state(tuple(dxs))  # type: ignore[arg-type]
+    return layer.from_state(result.inputs), grad_in
