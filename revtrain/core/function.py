@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from revtrain.core.checks import check_rebuilds, fingerprint
 from revtrain.core.replay import AutocastState, no_running_stat_updates
+from revtrain.core.sharding import unsharded
 from revtrain.core.step import ReversibleStep, State
 from revtrain.errors import ReconstructionError, ReversibilityError
 
@@ -104,7 +105,7 @@ class _ReversibleRun(torch.autograd.Function):
             for i in reversed(range(n)):
                 layer = layers[i]
                 record, prints = ctx.records[i]
-                with no_running_stat_updates(*_modules(layer)):
+                with no_running_stat_updates(*_modules(layer)), unsharded((layer,)):
                     result = layer.step_reverse(ys, dys, record, ctx.param_lists[i], i > 0 or need_first)
                 param_grads[i] = result.param_grads
                 if prints is not None:
@@ -130,7 +131,9 @@ def run_reversible(
     state's tensors concatenated along it (saved once, inside the function).
     """
     # Parameters are inputs of the function so that autograd routes their gradients; the
-    # lists are collected once here and reused by backward.
-    param_lists = tuple(layer.step_params() for layer in layers)
-    params = [p for plist in param_lists for p in plist]
-    return _ReversibleRun.apply(tuple(layers), join_dim, param_lists, len(xs), *xs, *params)
+    # lists are collected once here and reused by backward. FSDP2-sharded layers are made
+    # whole first, so the lists hold the parameters F and G really use (core/sharding.py).
+    with unsharded(layers):
+        param_lists = tuple(layer.step_params() for layer in layers)
+        params = [p for plist in param_lists for p in plist]
+        return _ReversibleRun.apply(tuple(layers), join_dim, param_lists, len(xs), *xs, *params)

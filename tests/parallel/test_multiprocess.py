@@ -1,0 +1,110 @@
+"""One OS process per stage on torch.distributed (gloo): the same arithmetic as the simulator,
+a killed worker ends the run clearly, DDP and FSDP2 give one process's gradients."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from revtrain.parallel.partition import split_model
+from tests.parallel import data_parallel_cases
+from tests.parallel.cases import (
+    pipeline_case,
+    pipeline_rank,
+    reference_two_stages,
+    run_ranks,
+    run_simulator,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(("num_stages", "cases"), [(2, ["toy", "revnet"]), (3, ["revnet"])])
+def test_processes_equal_the_simulator_bit_for_bit(tmp_path: Path, num_stages: int, cases: list[str]) -> None:
+    run_ranks(pipeline_rank, num_stages, cases, str(tmp_path))
+    for case in cases:
+        model, batches, config, split = pipeline_case(case, num_stages)
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        sim = run_simulator(model, num_stages, batches, config, split)
+        for rank, stage in enumerate(sim.stages):
+            got = torch.load(tmp_path / f"{case}-rank{rank}.pt", weights_only=False)
+            want = stage.unit_state_dict()
+            for unit, state in want.items():
+                for key, value in state.items():
+                    assert torch.equal(got["units"][unit][key], value), (case, unit, key)
+            assert got["events"] == sim.tickers[rank].events
+        assert any(not torch.equal(start[k], v) for k, v in model.state_dict().items())
+        if case == "toy":  # and both equal the hand-written delayed update
+            model0, *_ = pipeline_case(case, num_stages)
+            ref = reference_two_stages(model0, batches, lr=config.lr, k=config.accumulation,
+                                       weight_decay=config.weight_decay)
+            for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+                torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_data_parallel_and_sharded_gradients_equal_one_process(tmp_path: Path) -> None:
+    """DDP and FSDP2 (per block and whole model), reversible blocks in M, C and mixed modes,
+    2 gloo processes with half the batch each: every gradient equals one process on the
+    whole batch (float64); a full state dict gathers the unsharded weights."""
+    run_ranks(data_parallel_cases.check_rank, 2, str(tmp_path))
+    done = sorted(p.name for p in tmp_path.iterdir())
+    assert done == ["rank0.json", "rank1.json"]
+    checked = json.loads((tmp_path / "rank0.json").read_text())
+    assert len(checked) == 9  # 3 wrappers x 3 mode settings
+
+
+def _children(pid: int) -> dict[int, int]:
+    """{rank: pid} of the stage processes started by the launcher ``pid``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) != pid:
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                found[int(item[5:])] = int(entry.name)
+    return found
+
+
+def test_a_killed_worker_ends_the_run_with_a_clear_message(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "revtrain.parallel", "--stages", "2", "--balance", "count", "--dataset",
+           "synthetic", "--image-size", "8", "--batch-size", "16", "--max-batches", "4", "--epochs", "1000",
+           "--timeout", "30", "--run-dir", str(run_dir), "--quiet"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists():  # training is under way
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        ranks = _children(launcher.pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = launcher.communicate(timeout=60)
+        elapsed = time.monotonic() - killed
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    assert elapsed < 60
+    assert "stage 1 (rank 1" in err and "killed by SIGKILL" in err, err
+    assert "StageFailedError" in err
