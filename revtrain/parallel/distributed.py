@@ -18,6 +18,7 @@ Every wait has a timeout: a neighbour that died or hangs makes this process rais
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,8 +29,12 @@ from torch import Tensor
 
 import revtrain.parallel.schedule as schedule
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
+from revtrain.parallel.config import PetraConfig
+from revtrain.parallel.partition import Stage, stage_shapes
 from revtrain.parallel.pipeline import Activation, Gradient, StageTicker
+from revtrain.parallel.worker import StageWorker, plan_segments
 from revtrain.tasks import Task
+from revtrain.train.optim import LRSchedule
 
 __all__ = ["Shapes", "DistributedPipeline", "init_from_env", "check_backend", "batch_sizes"]
 
@@ -103,17 +108,62 @@ class DistributedPipeline:
         shapes: Message shapes.
         device: Where messages live (CPU for gloo, this rank's GPU for NCCL).
         timeout_s: Longest wait for a neighbour at any tick.
+        stage_ranks: The global rank of each stage, in stage order (default: stage ``s`` on rank
+            ``s``); ranks outside the list take no part.
     """
 
-    def __init__(self, ticker: StageTicker, shapes: Shapes, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, ticker: StageTicker, shapes: Shapes, device: torch.device, timeout_s: float,
+                 stage_ranks: Sequence[int] | None = None) -> None:
         self.ticker = ticker
         self.shapes = shapes
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self.stage = ticker.worker.stage
+        ranks = list(range(self.stage.num_stages)) if stage_ranks is None else list(stage_ranks)
+        if len(ranks) != self.stage.num_stages:
+            raise PipelineConfigError(f"stage_ranks {ranks} must name one rank for each of the {self.stage.num_stages} stages")
+        s = self.stage.index
+        self.rank = ranks[s]
+        self._below = ranks[s - 1] if s > 0 else None
+        self._above = ranks[s + 1] if s + 1 < len(ranks) else None
+        self.tick_starts: list[float] = []
+        """``time.perf_counter()`` at the start of every tick of the last training epoch."""
+
+    @classmethod
+    def for_rank(
+        cls,
+        stages: Sequence[Stage],
+        rank: int,
+        *,
+        config: PetraConfig,
+        batch_size: int,
+        task: Task,
+        sample: tuple[Tensor, Tensor],
+        schedule: LRSchedule | None = None,
+        device: torch.device | None = None,
+        timeout_s: float = 60.0,
+        stage_ranks: Sequence[int] | None = None,
+    ) -> DistributedPipeline:
+        """The pipeline of stage ``rank`` of ``stages`` (a split every rank made the same way).
+
+        ``sample`` is one ``(inputs, targets)`` batch (on ``device``): it gives every stage's
+        message shapes and dtypes. ``rank`` is the stage index; ``stage_ranks`` maps stages to
+        global ranks when they differ.
+        """
+        stage = stages[rank]
+        worker = StageWorker(stage, config=config, batch_size=batch_size, schedule=schedule,
+                             task=task if stage.is_last else None)
+        needs = [not st.is_last and plan_segments(st, config.input_buffer)[-1].rebuild for st in stages]
+        ticker = StageTicker(worker, below_needs_output=rank > 0 and needs[rank - 1])
+        x, y = sample
+        outs = stage_shapes(stages, x[:1])
+        shapes = Shapes(input=tuple(x.shape[1:]) if rank == 0 else outs[rank - 1], output=outs[rank],
+                        dtype=x.dtype, target=tuple(y.shape[1:]), target_dtype=y.dtype,
+                        needs_output=needs[rank], below_needs_output=ticker.below_needs_output)
+        return cls(ticker, shapes, device or x.device, timeout_s, stage_ranks)
 
     @property
-    def worker(self):  # noqa: ANN201 - StageWorker
+    def worker(self) -> StageWorker:
         return self.ticker.worker
 
     def train_epoch(self, epoch: int, batches: Iterable[tuple[Tensor, Tensor]] | None, sizes: Sequence[int]) -> None:
@@ -130,7 +180,9 @@ class DistributedPipeline:
         data = iter(batches) if batches is not None else None
         up_out: Activation | None = None
         down_out: Gradient | None = None
+        self.tick_starts = []
         for t in range(schedule.num_ticks(n, j)):
+            self.tick_starts.append(time.perf_counter())
             up, down = self._exchange(t, n, sizes, up_out, down_out, training=True)
             if self.stage.is_first:
                 b = schedule.forward_batch(0, t, n, j)
@@ -168,12 +220,12 @@ class DistributedPipeline:
         s, sh = self.stage.index, self.shapes
         ops: list[dist.P2POp] = []
         if up_out is not None:
-            ops.append(dist.P2POp(dist.isend, up_out.x.contiguous(), s + 1, tag=_ACT))
-            ops.append(dist.P2POp(dist.isend, up_out.target.contiguous(), s + 1, tag=_TARGET))
+            ops.append(dist.P2POp(dist.isend, up_out.x.contiguous(), self._above, tag=_ACT))
+            ops.append(dist.P2POp(dist.isend, up_out.target.contiguous(), self._above, tag=_TARGET))
         if down_out is not None:
             if sh.below_needs_output:
-                ops.append(dist.P2POp(dist.isend, down_out.x.contiguous(), s - 1, tag=_REBUILT))  # type: ignore[union-attr]
-            ops.append(dist.P2POp(dist.isend, down_out.dx.contiguous(), s - 1, tag=_GRAD))
+                ops.append(dist.P2POp(dist.isend, down_out.x.contiguous(), self._below, tag=_REBUILT))  # type: ignore[union-attr]
+            ops.append(dist.P2POp(dist.isend, down_out.dx.contiguous(), self._below, tag=_GRAD))
         up: Activation | None = None
         down: Gradient | None = None
         fb, bb = self.ticker.expects(tick, n)
@@ -182,16 +234,16 @@ class DistributedPipeline:
         if fb is not None and not self.stage.is_first:
             x = torch.empty((sizes[fb], *sh.input), dtype=sh.dtype, device=self.device)
             y = torch.empty((sizes[fb], *sh.target), dtype=sh.target_dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, x, s - 1, tag=_ACT))
-            ops.append(dist.P2POp(dist.irecv, y, s - 1, tag=_TARGET))
+            ops.append(dist.P2POp(dist.irecv, x, self._below, tag=_ACT))
+            ops.append(dist.P2POp(dist.irecv, y, self._below, tag=_TARGET))
             up = Activation(fb, x, y)
         if bb is not None:
             shape = (sizes[bb], *sh.output)
             y_rebuilt = torch.empty(shape, dtype=sh.dtype, device=self.device) if sh.needs_output else None
             dy = torch.empty(shape, dtype=sh.dtype, device=self.device)
             if y_rebuilt is not None:
-                ops.append(dist.P2POp(dist.irecv, y_rebuilt, s + 1, tag=_REBUILT))
-            ops.append(dist.P2POp(dist.irecv, dy, s + 1, tag=_GRAD))
+                ops.append(dist.P2POp(dist.irecv, y_rebuilt, self._above, tag=_REBUILT))
+            ops.append(dist.P2POp(dist.irecv, dy, self._above, tag=_GRAD))
             down = Gradient(bb, y_rebuilt, dy)
         if ops:
             try:
@@ -199,7 +251,7 @@ class DistributedPipeline:
                     req.wait(self.timeout)
             except Exception as err:  # noqa: BLE001 - any transport failure ends the run clearly
                 raise StageFailedError(
-                    f"stage {s} (rank {s}) lost contact with a neighbour at tick {tick}: {err}. A "
+                    f"stage {s} (rank {self.rank}) lost contact with a neighbour at tick {tick}: {err}. A "
                     "neighbouring stage's process died or stopped answering; see its own error"
                 ) from err
         return up, down

@@ -31,7 +31,7 @@ from revtrain.memory import format_bytes, process_peak_rss_bytes
 from revtrain.models import create_model, model_info
 import revtrain.parallel.checkpoint as ckpt
 from revtrain.parallel.config import PetraConfig
-from revtrain.parallel.distributed import DistributedPipeline, Shapes, check_backend, init_from_env
+from revtrain.parallel.distributed import DistributedPipeline, check_backend, init_from_env
 from revtrain.parallel.errors import PipelineConfigError
 from revtrain.parallel.options import RunOptions, parse_split
 from revtrain.parallel.partition import Stage, split_model, stage_shapes
@@ -39,7 +39,7 @@ from revtrain.parallel.pipeline import StageTicker
 from revtrain.parallel.simulator import Simulator
 from revtrain.parallel.timing import time_units
 from revtrain.parallel.units import model_units
-from revtrain.parallel.worker import StageWorker, plan_segments
+from revtrain.parallel.worker import StageWorker
 from revtrain.tasks import Task, task_for
 from revtrain.train.optim import LRSchedule
 
@@ -168,19 +168,13 @@ def _train_rank(options: RunOptions, petra: PetraConfig, device: torch.device, s
             split = _broadcast(rank, lambda: _split_on_rank0(options, petra, device))
         run_dir = Path(_broadcast(rank, lambda: str(options.run_dir or default_run_dir(options))))
         s = _setup(options, petra, device, split)
-        stage = s.stages[rank]
-        worker = StageWorker(stage, config=petra, batch_size=options.batch_size, schedule=s.schedule,
-                             task=s.task if stage.is_last else None)
-        needs = [not st.is_last and plan_segments(st, petra.input_buffer)[-1].rebuild for st in s.stages]
-        ticker = StageTicker(worker, below_needs_output=rank > 0 and needs[rank - 1])
         sample = next(iter(s.test_loader))
-        out_shapes = stage_shapes(s.stages, sample[0][:1].to(device, s.dtype))
-        in_shape = tuple(sample[0].shape[1:]) if rank == 0 else out_shapes[rank - 1]
-        shapes = Shapes(input=in_shape, output=out_shapes[rank], dtype=s.dtype, target=tuple(sample[1].shape[1:]),
-                        target_dtype=sample[1].dtype, needs_output=needs[rank],
-                        below_needs_output=ticker.below_needs_output)
+        pipe = DistributedPipeline.for_rank(
+            s.stages, rank, config=petra, batch_size=options.batch_size, task=s.task,
+            sample=(sample[0].to(device, s.dtype), sample[1].to(device)), schedule=s.schedule,
+            device=device, timeout_s=options.timeout)
+        worker, ticker, stage = pipe.worker, pipe.ticker, pipe.stage
         s.stages = [stage]  # this process keeps its own stage only; the rest of the model is freed
-        pipe = DistributedPipeline(ticker, shapes, device, options.timeout)
         start = _resume(run_dir, s, [worker]) if options.resume else 0
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,10 @@ graph, then backpropagates: :func:`revtrain.core.reverse_step`; any other unit r
 forward from a kept input, then backpropagates), and of a plain forward + backward (what the
 last stage runs). Each unit runs on its real input, taken from one forward of the whole chain.
 
+On CPU the clock is the process's CPU time: what a unit costs in compute, not how long it
+waited for a core that another process held (the balance stays right on a busy machine). On
+CUDA it is wall time with the device synchronised.
+
 The model is left as it was: parameters, gradients, batch-norm statistics and the random
 generators are restored.
 """
@@ -29,7 +33,7 @@ __all__ = ["UnitCost", "time_units"]
 
 @dataclass(frozen=True)
 class UnitCost:
-    """Median seconds of one unit on the measured batch."""
+    """Median seconds of one unit on the measured batch (CPU time on CPU)."""
 
     name: str
     forward_s: float
@@ -77,8 +81,9 @@ def time_units(units: Sequence[Unit], sample: Tensor, *, repeats: int = 3, warmu
                     reverse_step(m, y, dy, update_running_stats=True)
             else:
                 petra = plain
-            costs.append(UnitCost(unit.name, _median(fwd, repeats, warmup),
-                                  _median(petra, repeats, warmup), _median(plain, repeats, warmup)))
+            clock = _clock(sample.device)
+            costs.append(UnitCost(unit.name, _median(fwd, repeats, warmup, clock),
+                                  _median(petra, repeats, warmup, clock), _median(plain, repeats, warmup, clock)))
     for m, state in zip(modules, snapshot):
         m.load_state_dict(state)
     for pairs in grads:
@@ -87,12 +92,23 @@ def time_units(units: Sequence[Unit], sample: Tensor, *, repeats: int = 3, warmu
     return costs
 
 
-def _median(fn: Callable[[], None], repeats: int, warmup: int) -> float:
+def _clock(device: torch.device) -> Callable[[], float]:
+    if device.type != "cuda":
+        return time.process_time
+
+    def synced() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return synced
+
+
+def _median(fn: Callable[[], None], repeats: int, warmup: int, clock: Callable[[], float]) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(max(1, repeats)):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times)

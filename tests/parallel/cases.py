@@ -22,11 +22,9 @@ from torch import Tensor, nn
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes
 from revtrain.models import create_model, example_batch
 from revtrain.parallel.config import PetraConfig
-from revtrain.parallel.distributed import DistributedPipeline, Shapes
-from revtrain.parallel.partition import split_model, stage_shapes
-from revtrain.parallel.pipeline import StageTicker
+from revtrain.parallel.distributed import DistributedPipeline
+from revtrain.parallel.partition import split_model
 from revtrain.parallel.simulator import Simulator
-from revtrain.parallel.worker import StageWorker, plan_segments
 from revtrain.tasks import Classification
 
 
@@ -207,28 +205,21 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tupl
         dist.destroy_process_group()
 
 
-def pipeline_rank(rank: int, world: int, cases: list[str], out_dir: str) -> None:
-    """One stage of each case's pipeline on the distributed engine; saves the stage's state and events."""
-    for case in cases:
-        _pipeline_case_rank(rank, world, case, Path(out_dir) / f"{case}-rank{rank}.pt")
+def pipeline_rank(rank: int, world: int, cases: list[tuple[str, int]], out_dir: str) -> None:
+    """Per ``(case, J)``: ranks 0..J-1 run the case's pipeline on the distributed engine and save
+    their stage's state and events; the other ranks sit it out."""
+    for case, num_stages in cases:
+        if rank < num_stages:
+            _pipeline_case_rank(rank, num_stages, case, Path(out_dir) / f"{case}-J{num_stages}-rank{rank}.pt")
 
 
-def _pipeline_case_rank(rank: int, world: int, case: str, out: Path) -> None:
-    model, batches, config, split = pipeline_case(case, world)
-    stages = split_model(model, world, split)
-    stage = stages[rank]
-    worker = StageWorker(stage, config=config, batch_size=batches[0][0].shape[0],
-                         task=Classification() if stage.is_last else None)
-    needs = [not st.is_last and plan_segments(st, config.input_buffer)[-1].rebuild for st in stages]
-    ticker = StageTicker(worker, below_needs_output=rank > 0 and needs[rank - 1])
-    x0, y0 = batches[0]
-    outs = stage_shapes(stages, x0[:1])
-    shapes = Shapes(input=tuple(x0.shape[1:]) if rank == 0 else outs[rank - 1], output=outs[rank],
-                    dtype=x0.dtype, target=(), target_dtype=y0.dtype, needs_output=needs[rank],
-                    below_needs_output=ticker.below_needs_output)
-    pipe = DistributedPipeline(ticker, shapes, torch.device("cpu"), timeout_s=60)
+def _pipeline_case_rank(rank: int, num_stages: int, case: str, out: Path) -> None:
+    model, batches, config, split = pipeline_case(case, num_stages)
+    stages = split_model(model, num_stages, split)
+    pipe = DistributedPipeline.for_rank(stages, rank, config=config, batch_size=batches[0][0].shape[0],
+                                        task=Classification(), sample=batches[0])
     pipe.train_epoch(0, batches if rank == 0 else None, [b[0].shape[0] for b in batches])
-    torch.save({"units": stage.unit_state_dict(), "events": ticker.events}, out)
+    torch.save({"units": pipe.stage.unit_state_dict(), "events": pipe.ticker.events}, out)
 
 
 def pipeline_case(case: str, num_stages: int) -> tuple[nn.Module, list, PetraConfig, list[int] | None]:

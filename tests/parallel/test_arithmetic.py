@@ -29,7 +29,7 @@ def test_one_stage_equals_ordinary_backprop(k: int) -> None:
     """J=1: every batch's forward, loss and backward in one tick, updates every k: plain SGD."""
     model = small_revnet().double()
     plain = copy.deepcopy(model)
-    batches = [(x.double(), y) for x, y in revnet_batches(7)]
+    batches = [(x.double(), y) for x, y in revnet_batches(4)]
     run_simulator(model, 1, batches, PetraConfig(lr=0.05, accumulation=k, weight_decay=5e-4))
 
     opt = torch.optim.SGD(param_groups(plain, 5e-4), lr=0.05, momentum=0.9, nesterov=True)
