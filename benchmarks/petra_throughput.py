@@ -4,9 +4,12 @@ Every configuration runs in fresh processes with ONE thread each, on the same mo
 split:
 
 - ``plain``: one process, ordinary backprop (every block in C-mode), SGD step per batch;
+- ``concurrent``: J independent ``plain`` processes at once, no communication: the most this
+  machine gives J one-thread processes (cores shared with the hypervisor, memory bandwidth);
 - ``petra``: J processes (revtrain.parallel's DistributedPipeline, gloo); samples/s in the
   steady state (every stage busy with a forward and a backward each tick) and over the whole
-  epoch (with the pipeline's warm-up and drain);
+  epoch (with the pipeline's warm-up and drain); the block modes matter only in the last stage
+  (forward and backward at once: C-mode stores its activations, M-mode rebuilds them);
 - ``gpipe`` / ``1f1b``: J processes, ``torch.distributed.pipelining``'s ScheduleGPipe and
   Schedule1F1B on the same stages, the batch cut into ``--microbatches`` micro-batches, one SGD
   step per batch (they flush every step); run with the blocks in C-mode (plain autograd) and in
@@ -14,6 +17,10 @@ split:
 
 Per worker it also measures the peak tensor memory of a few steps in a separate, untimed pass
 (``revtrain.memory.track_peak_memory``), plus parameters and optimizer state.
+
+Every configuration runs ``--rounds`` times, the order rotating between rounds so that load
+from other processes on a shared machine hits all of them alike; the best round is reported
+(as ``timeit`` does) and every round is listed.
 
     flock /tmp/revtrain-cpu.lock python benchmarks/petra_throughput.py            # J = 2 and 4
     python benchmarks/petra_throughput.py --stages 2 --batches 12 --out results/x
@@ -32,6 +39,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,7 +69,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=16, help="timed batches per configuration")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (plain, pipelining)")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step of GPipe and 1F1B")
-    p.add_argument("--methods", nargs="+", default=["plain", "petra", "gpipe", "1f1b"])
+    p.add_argument("--methods", nargs="+", default=["plain", "concurrent", "petra", "gpipe", "1f1b"])
+    p.add_argument("--modes", nargs="+", default=["C", "M"], help="block modes to run PETRA, GPipe and 1F1B with")
+    p.add_argument("--extra-petra-splits", nargs="*", default=[],
+                   help="explicit splits (e.g. 3,6) to run PETRA with as well, besides the measured balanced one")
+    p.add_argument("--petra-microbatched", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run PETRA on batches of batch/microbatches with k=microbatches (the same effective "
+                        "batch and step memory class as GPipe and 1F1B)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="run every configuration this many times (rotating order); the best is reported")
+    p.add_argument("--quiet-load", type=float, default=1.2,
+                   help="wait (up to 3 min) until the 1-min load average is below this before measuring")
     p.add_argument("--out", type=Path, default=ROOT / "results" / "petra_throughput_cpu")
     return p.parse_args(argv)
 
@@ -113,10 +131,11 @@ def plain_rank(rank: int, world: int, args: argparse.Namespace, out: str) -> Non
                        "peak_bytes": mem.peak_bytes, "static_bytes": _static_bytes(model, opt)})
 
 
-def petra_rank(rank: int, world: int, args: argparse.Namespace, split: list[int], out: str) -> None:
-    model, (x, y) = _model(args), _batch(args)
+def petra_rank(rank: int, world: int, args: argparse.Namespace, split: list[int], modes: str, k: int,
+               out: str) -> None:
+    model, (x, y) = _model(args, modes), _batch(args)
     stages = split_model(model, world, split)
-    pipe = DistributedPipeline.for_rank(stages, rank, config=PetraConfig(lr=0.01, weight_decay=5e-4),
+    pipe = DistributedPipeline.for_rank(stages, rank, config=PetraConfig(lr=0.01, weight_decay=5e-4, accumulation=k),
                                         batch_size=args.batch_size, task=Classification(), sample=(x, y))
     j, n = world, args.batches + 2 * (world - 1)
     sizes = [args.batch_size] * n
@@ -178,7 +197,7 @@ def _write(out: str, rank: int, record: dict[str, Any]) -> None:
 
 def _entry(rank: int, fn: Any, world: int, port: int, fargs: tuple) -> None:
     torch.set_num_threads(1)
-    if world > 1 or fn is not plain_rank:
+    if fn is not plain_rank:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
         dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     try:
@@ -208,41 +227,76 @@ def _run(fn: Any, world: int, *fargs: Any) -> list[dict[str, Any]]:
 # -- the run -------------------------------------------------------------------------------------
 
 
+def _wait_for_quiet(limit: float, longest_s: float = 180.0) -> None:
+    deadline = time.monotonic() + longest_s
+    while os.getloadavg()[0] > limit and time.monotonic() < deadline:
+        time.sleep(5)
+
+
+def _configurations(args: argparse.Namespace) -> list[tuple[str, int, Callable[[], dict[str, Any]]]]:
+    """``(method, J, run)`` for every configuration; ``run()`` starts fresh processes and returns a row."""
+    configs: list[tuple[str, int, Callable[[], dict[str, Any]]]] = []
+    if "plain" in args.methods:
+        def plain() -> dict[str, Any]:
+            r = _run(plain_rank, 1, args)[0]
+            return {"samples_per_s": r["samples_per_s"], "per_worker_bytes": [r["static_bytes"] + r["peak_bytes"]]}
+        configs.append(("plain backprop", 1, plain))
+    for j in args.stages:
+        if "concurrent" in args.methods:
+            def concurrent(j: int = j) -> dict[str, Any]:
+                ranks = _run(plain_rank, j, args)
+                return {"samples_per_s": sum(r["samples_per_s"] for r in ranks),
+                        "per_worker_bytes": [r["static_bytes"] + r["peak_bytes"] for r in ranks]}
+            configs.append((f"{j} independent plain processes at once (the machine's ceiling)", j, concurrent))
+        split = measured_split(_model(args), j, _batch(args)[0])
+        extra = [[int(c) for c in text.split(",")] for text in args.extra_petra_splits]
+        m = args.microbatches
+        small = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size // m})
+        petra_runs = [(mo, split, f"balanced split {split}", args, 1) for mo in args.modes]
+        petra_runs += [("C", e, f"explicit split {e}", args, 1) for e in extra if len(e) == j]
+        petra_runs += [(mo, split, f"batch {small.batch_size} × k={m}, as the micro-batches", small, m)
+                       for mo in args.modes if args.petra_microbatched]
+        for modes, petra_split, how, run_args, k in petra_runs if "petra" in args.methods else []:
+            def petra(j: int = j, run_args: argparse.Namespace = run_args, petra_split: list[int] = petra_split,
+                      modes: str = modes, k: int = k) -> dict[str, Any]:
+                ranks = _run(petra_rank, j, run_args, petra_split, modes, k)
+                return {"split": petra_split, "samples_per_s": ranks[0]["steady_samples_per_s"],
+                        "epoch_samples_per_s": ranks[0]["epoch_samples_per_s"],
+                        "per_worker_bytes": [r["static_bytes"] + r["peak_bytes"] for r in ranks],
+                        "kept_input_bytes": [r["peak_buffer_bytes"] for r in ranks]}
+            configs.append((f"PETRA ({modes}-mode blocks, {how})", j, petra))
+        for kind in ("gpipe", "1f1b"):
+            for modes in args.modes if kind in args.methods else []:
+                def pipelined(j: int = j, kind: str = kind, modes: str = modes, split: list[int] = split) -> dict[str, Any]:
+                    ranks = _run(pipelining_rank, j, args, split, kind, modes)
+                    return {"split": split, "samples_per_s": ranks[0]["samples_per_s"],
+                            "per_worker_bytes": [r["static_bytes"] + r["peak_bytes"] for r in ranks]}
+                configs.append((f"{'GPipe' if kind == 'gpipe' else '1F1B'} ({modes}-mode blocks)", j, pipelined))
+    return configs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    _wait_for_quiet(args.quiet_load)
     before = machine_info("cpu")
     torch.set_num_threads(1)
-    rows: list[dict[str, Any]] = []
-    plain = None
-    if "plain" in args.methods:
-        plain = _run(plain_rank, 1, args)[0]
-        rows.append({"method": "plain backprop", "J": 1, "samples_per_s": plain["samples_per_s"],
-                     "per_worker_bytes": [plain["static_bytes"] + plain["peak_bytes"]]})
-        print(f"plain: {plain['samples_per_s']:.1f} samples/s", flush=True)
-    for j in args.stages:
-        split = measured_split(_model(args), j, _batch(args)[0])
-        if "petra" in args.methods:
-            ranks = _run(petra_rank, j, args, split)
-            rows.append({"method": "PETRA", "J": j, "split": split,
-                         "samples_per_s": ranks[0]["steady_samples_per_s"],
-                         "epoch_samples_per_s": ranks[0]["epoch_samples_per_s"],
-                         "per_worker_bytes": [r["static_bytes"] + r["peak_bytes"] for r in ranks],
-                         "kept_input_bytes": [r["peak_buffer_bytes"] for r in ranks]})
-            print(f"PETRA J={j}: {rows[-1]['samples_per_s']:.1f} samples/s steady", flush=True)
-        for kind in ("gpipe", "1f1b"):
-            if kind not in args.methods:
-                continue
-            for modes in ("C", "M"):
-                ranks = _run(pipelining_rank, j, args, split, kind, modes)
-                rows.append({"method": f"{'GPipe' if kind == 'gpipe' else '1F1B'} ({modes}-mode blocks)", "J": j,
-                             "split": split, "samples_per_s": ranks[0]["samples_per_s"],
-                             "per_worker_bytes": [r["static_bytes"] + r["peak_bytes"] for r in ranks]})
-                print(f"{rows[-1]['method']} J={j}: {rows[-1]['samples_per_s']:.1f} samples/s", flush=True)
+    configs = _configurations(args)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+    for r in range(args.rounds):  # rounds with a rotating order: other load hits every method alike
+        order = configs[r % len(configs):] + configs[: r % len(configs)]
+        for name, j, run in order:
+            runs[name].append(run())
+            print(f"round {r + 1}: {name} J={j}: {runs[name][-1]['samples_per_s']:.1f} samples/s", flush=True)
+    rows = []
+    for name, j, _ in configs:
+        best = max(runs[name], key=lambda row: row["samples_per_s"])
+        rows.append({"method": name, "J": j, **best, "rounds": [x["samples_per_s"] for x in runs[name]]})
     after = machine_info("cpu")
+    plain = next((row for row in rows if row["method"] == "plain backprop"), None)
     for row in rows:
         if plain:
             row["speedup"] = row["samples_per_s"] / plain["samples_per_s"]
-            row["goal"] = 0.56 * row["J"] if row["method"] == "PETRA" else None
+        row["goal"] = 0.56 * row["J"] if row["method"].startswith("PETRA") else None
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
     result = {"command": command, "machine_before": before, "machine_after": after, "args": {
         k: str(v) for k, v in vars(args).items()}, "rows": rows}
@@ -264,20 +318,24 @@ def _markdown(result: dict[str, Any]) -> str:
         f"{result['machine_before']['torch']}; 1-min load average before {result['machine_before']['load_average']}, "
         f"after {result['machine_after']['load_average']}",
         "",
-        "| method | J | samples/s | × plain | goal | per-worker memory (params + optimizer + peak of a step) |",
+        "| method | J | samples/s (best of rounds; all rounds) | × plain | goal | per-worker memory (params + optimizer + peak of a step) |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
-        sps = f"{r['samples_per_s']:.1f}"
+        sps = f"**{r['samples_per_s']:.1f}** ({', '.join(f'{x:.1f}' for x in r['rounds'])})"
         if "epoch_samples_per_s" in r:
-            sps += f" (epoch {r['epoch_samples_per_s']:.1f})"
+            sps += f"; epoch {r['epoch_samples_per_s']:.1f}"
         goal = f"≥ {r['goal']:.2f}×" if r.get("goal") else ""
         mem = ", ".join(format_bytes(b) for b in r["per_worker_bytes"])
-        lines.append(f"| {r['method']} | {r['J']} | {sps} | {r.get('speedup', 0):.2f}× | {goal} | {mem} |")
+        speedup = f"{r['speedup']:.2f}×" if "speedup" in r else "—"
+        lines.append(f"| {r['method']} | {r['J']} | {sps} | {speedup} | {goal} | {mem} |")
     lines += ["", "PETRA's samples/s is the steady state (every stage busy with one forward and one backward "
               "per tick; median tick); 'epoch' includes the pipeline's warm-up and drain over "
               f"{a['batches']} batches + 2(J-1). GPipe and 1F1B cut each batch into {a['microbatches']} "
-              "micro-batches and flush every step.", ""]
+              "micro-batches and flush every step. 'PETRA (batch B/m × k=m)' runs PETRA on micro-batch-sized "
+              "batches, averaging k=m of them per update: the same effective batch per update as GPipe and 1F1B "
+              "and the same size of the tensors a step moves and keeps. Per-worker memory is what a worker's "
+              "tensors take at its peak (parameters, optimizer state, activations, kept inputs, messages).", ""]
     return "\n".join(lines)
 
 

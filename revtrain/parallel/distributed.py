@@ -58,6 +58,8 @@ def check_backend(backend: str, device: torch.device) -> str:
     elif backend == "gloo":
         if not dist.is_gloo_available():
             raise PipelineConfigError("this PyTorch build has no gloo backend; use 'nccl' on GPUs")
+        if device.type == "cuda":
+            raise PipelineConfigError("gloo sends CPU tensors only; use backend 'nccl' (or 'auto') with device 'cuda'")
     else:
         raise PipelineConfigError(f"unknown backend {backend!r}; use 'auto', 'gloo' or 'nccl'")
     return backend
@@ -133,7 +135,7 @@ class DistributedPipeline:
     def for_rank(
         cls,
         stages: Sequence[Stage],
-        rank: int,
+        index: int,
         *,
         config: PetraConfig,
         batch_size: int,
@@ -144,22 +146,22 @@ class DistributedPipeline:
         timeout_s: float = 60.0,
         stage_ranks: Sequence[int] | None = None,
     ) -> DistributedPipeline:
-        """The pipeline of stage ``rank`` of ``stages`` (a split every rank made the same way).
+        """The pipeline of stage ``index`` of ``stages`` (a split every rank made the same way).
 
         ``sample`` is one ``(inputs, targets)`` batch (on ``device``): it gives every stage's
-        message shapes and dtypes. ``rank`` is the stage index; ``stage_ranks`` maps stages to
-        global ranks when they differ.
+        message shapes and dtypes. ``stage_ranks`` maps stages to global ranks when stage ``s``
+        does not run on rank ``s``.
         """
-        stage = stages[rank]
+        stage = stages[index]
         worker = StageWorker(stage, config=config, batch_size=batch_size, schedule=schedule,
                              task=task if stage.is_last else None)
         needs = [not st.is_last and plan_segments(st, config.input_buffer)[-1].rebuild for st in stages]
-        ticker = StageTicker(worker, below_needs_output=rank > 0 and needs[rank - 1])
+        ticker = StageTicker(worker, below_needs_output=index > 0 and needs[index - 1])
         x, y = sample
         outs = stage_shapes(stages, x[:1])
-        shapes = Shapes(input=tuple(x.shape[1:]) if rank == 0 else outs[rank - 1], output=outs[rank],
+        shapes = Shapes(input=tuple(x.shape[1:]) if index == 0 else outs[index - 1], output=outs[index],
                         dtype=x.dtype, target=tuple(y.shape[1:]), target_dtype=y.dtype,
-                        needs_output=needs[rank], below_needs_output=ticker.below_needs_output)
+                        needs_output=needs[index], below_needs_output=ticker.below_needs_output)
         return cls(ticker, shapes, device or x.device, timeout_s, stage_ranks)
 
     @property

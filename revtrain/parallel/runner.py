@@ -45,6 +45,8 @@ from revtrain.train.optim import LRSchedule
 
 __all__ = ["train", "measured_split", "default_run_dir"]
 
+_COLLECTIVE_TIMEOUT_S = 1800.0
+
 
 def default_run_dir(options: RunOptions) -> Path:
     """``runs/petra-<model>-<dataset>-J<stages>-<time>`` (a suffix if it exists)."""
@@ -59,7 +61,7 @@ def default_run_dir(options: RunOptions) -> Path:
 def measured_split(model: torch.nn.Module, num_stages: int, sample: torch.Tensor) -> list[int]:
     """Blocks per stage balanced by each unit's measured time on ``sample`` (a training batch)."""
     units = model_units(model)
-    costs = time_units(units, sample)
+    costs = time_units(units, sample, repeats=5, warmup=2)
     stages = split_model(model, num_stages, costs=([c.stage_cost for c in costs], [c.plain_s for c in costs]))
     return [s.num_blocks for s in stages]
 
@@ -157,7 +159,9 @@ def _train_simulated(options: RunOptions, petra: PetraConfig, device: torch.devi
 def _train_rank(options: RunOptions, petra: PetraConfig, device: torch.device, split: Any,
                 log: Callable[[str], None]) -> dict[str, Any]:
     backend = check_backend(options.backend, device)
-    rank, world = init_from_env(backend, options.timeout)
+    # Ticks wait --timeout for a neighbour (explicitly, per exchange); collectives (the split's
+    # measurement on rank 0, epoch reports, checkpoints) may legitimately take longer.
+    rank, world = init_from_env(backend, max(options.timeout, _COLLECTIVE_TIMEOUT_S))
     try:
         if world != options.stages:
             raise PipelineConfigError(
