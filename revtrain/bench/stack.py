@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from revtrain.bench.peers import PEERS, build_peer, peer_status
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes
 from revtrain.device import resolve_device
 from revtrain.memory import format_bytes, track_peak_memory
@@ -49,8 +50,11 @@ __all__ = [
     "resolve_device",
 ]
 
-METHODS: tuple[str, ...] = ("plain", "M", "C", "checkpoint")
-"""Every method the stack benchmark knows, in table order; ``"plain"`` is the reference."""
+OURS: tuple[str, ...] = ("plain", "M", "C", "checkpoint")
+"""revtrain's methods and plain PyTorch's, in table order; ``"plain"`` is the reference."""
+
+METHODS: tuple[str, ...] = OURS + PEERS
+"""Every method the stack benchmark knows: ours, then the peer libraries (when installed)."""
 
 
 class GradientMismatchError(RuntimeError):
@@ -69,8 +73,9 @@ class StackBenchConfig:
     """Height and width of the feature maps."""
     depths: tuple[int, ...] = (4, 8, 16, 32)
     """Numbers of coupling blocks; one stack is built and measured per depth."""
-    methods: tuple[str, ...] = METHODS
-    """Which of ``METHODS`` to run; ``"plain"`` must be among them (ratios are taken against it)."""
+    methods: tuple[str, ...] = OURS
+    """Which of ``METHODS`` to run; ``"plain"`` must be among them (ratios are taken against it).
+    Peer libraries (``"revlib"``, ``"memcnn"``, ``"reformer"``, ``"revtorch"``) must be installed."""
     repeats: int = 5
     """Timed steps per method and depth; the table reports their median, IQR and minimum."""
     warmup: int = 1
@@ -121,6 +126,9 @@ class StackBenchConfig:
             )
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must not repeat, got {self.methods!r}")
+        missing = [problem for m in self.methods if m in PEERS and (problem := peer_status(m))]
+        if missing:
+            raise ValueError("; ".join(missing))
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must name a floating-point torch dtype, got {self.dtype!r}")
@@ -246,6 +254,9 @@ def _build_models(depth: int, config: StackBenchConfig, device: torch.device) ->
             models[mode] = seq
     if "checkpoint" in config.methods:
         models["checkpoint"] = _PlainStack(couplings, checkpointed=True)
+    for peer in PEERS:
+        if peer in config.methods:
+            models[peer] = build_peer(peer, fgs)
     for model in models.values():
         model.to(device=device, dtype=config.torch_dtype).train()
     return {m: models[m] for m in config.methods}
