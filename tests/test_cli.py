@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+import revtrain
 from revtrain.cli import main
 from revtrain.models import list_models
-from revtrain.train import TrainConfig, field_docs
+from revtrain.train import TrainConfig, field_docs, load_checkpoint
 
 TINY = ["--image-size", "8", "--batch-size", "16", "--eval-batch-size", "360", "--max-steps-per-epoch", "2",
         "--device", "cpu", "--no-memory-report", "--quiet"]
@@ -78,7 +85,7 @@ def test_help_comes_from_the_config_docstrings(capsys: pytest.CaptureFixture[str
         main(["train", "--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
-    for name in ("lr", "weight_decay", "budget", "resume"):
+    for name in ("lr", "weight_decay", "budget", "resume", "task", "divergence_factor"):
         assert " ".join(field_docs(TrainConfig)[name].split()) in text
     assert "--no-nesterov" in text and "(default: revnet38)" in text
 
@@ -119,3 +126,58 @@ def test_plan_subcommand_is_wired(capsys: pytest.CaptureFixture[str]) -> None:
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "train" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--lr", "inf"], "lr (--lr) must be a finite number, got inf"),
+    (["--weight-decay", "nan"], "weight_decay (--weight-decay) must be a finite number, got nan"),
+    (["--warmup-epochs", "inf"], "warmup_epochs (--warmup-epochs) must be a finite number, got inf"),
+])
+def test_non_finite_options_fail_cleanly(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert message in _fails_cleanly(capsys, ["train", *argv])
+
+
+def test_run_safety_errors_are_one_line_naming_the_file(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    err = _fails_cleanly(capsys, ["train", *TINY, "--run-dir", str(run)])  # no --resume
+    assert f"--run-dir {run} already holds a run" in err
+    err = _fails_cleanly(capsys, ["train", "--resume", str(run), "--batch-size", "8"])
+    assert f"cannot resume {run / 'checkpoint.pt'} with --batch-size 8" in err
+    damaged = tmp_path / "damaged.pt"
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    state["config"]["lr"] = 1.0
+    torch.save(state, damaged)
+    err = _fails_cleanly(capsys, ["train", "--resume", str(damaged)])
+    assert f"checkpoint {damaged} fails its checksum" in err
+
+    import revtrain.train.checkpoint as checkpoint_module
+
+    def disk_full(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", disk_full)
+    err = _fails_cleanly(capsys, ["train", "--resume", str(run), "--epochs", "2"])
+    assert f"no space left on device while writing checkpoint {run / 'checkpoint.pt'}" in err
+    assert "the previous checkpoint" in err and "is kept unchanged" in err
+
+
+@pytest.mark.multiprocess
+def test_sigterm_saves_and_exits_143(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    root = Path(revtrain.__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    argv = [sys.executable, "-m", "revtrain.cli", "train", *TINY, "--epochs", "1000", "--threads", "1",
+            "--run-dir", str(run)]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").is_file() or '"step"' not in (run / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "terminated (SIGTERM) at step" in err and f"revtrain train --resume {run / 'checkpoint.pt'}" in err
+    assert load_checkpoint(run / "checkpoint.pt")["progress"]["step"] >= 1

@@ -56,10 +56,10 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
         with suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(err, OSError) and err.errno in _NO_SPACE:
-            kept = f"the previous {what} {path} is kept unchanged" if path.exists() else f"no {what} was written"
+            kept = (f"the previous {what} {path} is kept unchanged; free some space, then resume" if path.exists()
+                    else f"no {what} was written; free some space, then start again")
             raise DiskFullError(
-                f"no space left on device while writing {what} {path} ({_free_space(path.parent)} free); "
-                f"{kept}. Free some space and resume"
+                f"no space left on device while writing {what} {path} ({_free_space(path.parent)} free); {kept}"
             ) from None
         raise
     _fsync_dir(path.parent)

@@ -48,7 +48,8 @@ class Progress:
 
     Totals (``step``, ``train_time_s``, ``samples_seen``, ``wall_time_s``, the peak memory) are
     over every process that trained this run: a resumed run continues them. A process's wall
-    time counts up to its last checkpoint (time after it, lost in a crash, is not known).
+    time runs from the start of ``fit()`` to the end of training (the final checkpoint), and
+    counts up to its last checkpoint when the process was killed (the time after it is lost).
     """
 
     def __init__(self) -> None:
@@ -72,16 +73,23 @@ class Progress:
         """The run's first training loss: the divergence bound is a multiple of it."""
         self._wall_before = 0.0
         self._process_start: float | None = None
+        self._process_end: float | None = None
 
     def start_process(self) -> None:
         """Count this process and start its wall clock (called when training starts)."""
         self.processes += 1
-        self._process_start = time.perf_counter()
+        self._process_start, self._process_end = time.perf_counter(), None
+
+    def stop_process(self) -> None:
+        """Stop this process's wall clock (training is over; the final report is not training)."""
+        self._process_end = time.perf_counter()
 
     @property
     def process_wall_time_s(self) -> float:
-        """Wall time of this process since :meth:`start_process` (0 before)."""
-        return time.perf_counter() - self._process_start if self._process_start is not None else 0.0
+        """Wall time of this process between :meth:`start_process` and :meth:`stop_process` (or now)."""
+        if self._process_start is None:
+            return 0.0
+        return (self._process_end or time.perf_counter()) - self._process_start
 
     @property
     def wall_time_s(self) -> float:
@@ -116,7 +124,7 @@ class Progress:
         self.train_time_s = float(state["train_time_s"])
         self.samples_seen = int(state["samples_seen"])
         self._wall_before = float(state["wall_time_s"])
-        self._process_start = None
+        self._process_start = self._process_end = None
         self.peak_memory = (int(state["peak_memory_bytes"]), str(state["peak_memory_kind"]))
         self.processes = int(state["processes"])
         self.reference_loss = state["reference_loss"]

@@ -136,7 +136,7 @@ class Trainer:
         try:
             self._open_run(run)
         except BaseException:
-            self._discard_if_unsaved()
+            self._discard_if_unsaved(say=False)  # the user never saw this folder
             raise
 
     def _open_run(self, run: ResolvedRun) -> None:
@@ -196,12 +196,14 @@ class Trainer:
                         if self.train_loader.epoch >= self.config.epochs:
                             break
                         self._train_epoch()
+                    self.progress.stop_process()
+                    self.save_checkpoint()  # the final one: it holds the whole process's wall time
                 except KeyboardInterrupt as stop:
                     self._on_interrupt(stop)
                     raise
             return self._summarize()
         except BaseException:
-            self._discard_if_unsaved()
+            self._discard_if_unsaved(say=True)
             raise
 
     def _train_epoch(self) -> None:
@@ -349,7 +351,8 @@ class Trainer:
         )
         self.progress.pending_eval = None
         self.progress.epoch = EpochStats()
-        self.save_checkpoint()
+        if self.train_loader.epoch < self.config.epochs:  # after the last epoch, fit() saves
+            self.save_checkpoint()
         self._phase = "idle"
 
     @torch.no_grad()
@@ -412,11 +415,12 @@ class Trainer:
                   f"{self.train_loader.next_batch}); checkpoint saved to {path}\n"
                   f"resume with: revtrain train --resume {path}", err=True)
 
-    def _discard_if_unsaved(self) -> None:
+    def _discard_if_unsaved(self, *, say: bool) -> None:
+        """A run that fails before its first checkpoint leaves nothing to resume: remove its files."""
         if self.metrics is not None:
             self.metrics.close()
-        if self.folder.discard():
-            self._log(f"no checkpoint was saved, so {self.run_dir} was removed", err=True)
+        if self.folder.discard() and say:
+            self._log(f"no checkpoint was saved, so the run folder {self.run_dir} was removed", err=True)
 
     # ------------------------------------------------------------------ modes and summary
 
