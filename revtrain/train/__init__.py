@@ -27,7 +27,8 @@ from revtrain.train.optim import LRSchedule, build_optimizer, build_scheduler, p
 from revtrain.train.resume import ResolvedRun, ResumeConflictError, resolve_run
 from revtrain.train.runs import RUNS_ROOT, RunExistsError
 from revtrain.train.state import Progress, TrainingState
-from revtrain.train.trainer import Trainer, TrainingInterrupted
+from revtrain.train.interrupts import TrainingInterrupted
+from revtrain.train.trainer import Trainer
 
 __all__ = [
     "CheckpointError",

@@ -25,10 +25,9 @@ import copy
 import json
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, TextIO
 
 import torch
@@ -45,6 +44,7 @@ from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.divergence import TrainingDivergedError, divergence_reason
 from revtrain.train.environment import busy_cpu_note, resolve_device, seed_everything
 from revtrain.train.files import atomic_write_text
+from revtrain.train.interrupts import StopSignals, TrainingInterrupted
 from revtrain.train.memory_strategy import apply_memory_strategy
 from revtrain.train.metrics import EpochStats, MetricsWriter, live_memory, measure_step_memory
 from revtrain.train.optim import LRSchedule, apply_hyperparameters, build_optimizer, build_scheduler
@@ -52,20 +52,11 @@ from revtrain.train.resume import ResolvedRun, resolve_run
 from revtrain.train.runs import RunFolder
 from revtrain.train.state import Progress, TrainingState
 
-__all__ = ["Trainer", "TrainingInterrupted"]
+__all__ = ["Trainer"]
 
 Callback = Callable[["Trainer"], None]
 """Called as ``callback(trainer)`` after every optimizer step."""
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped on a signal (Ctrl-C, SIGTERM) after saving a checkpoint."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-        """The signal that asked to stop (``signal.SIGINT`` or ``signal.SIGTERM``)."""
 
 
 class Trainer:
@@ -127,8 +118,8 @@ class Trainer:
         self.last_loss = float("nan")
         self._memory: tuple[int | None, str] = (None, "")
         self._phase = "idle"  # "step" while an update is half-done: nothing may be saved then
-        self._stop_signal: int | None = None
-        self._process = EpochStats()  # this process's training: samples and seconds
+        self._stop = StopSignals(log=lambda line: self._log(line, err=True))
+        self._this_process = EpochStats()  # this process's training: samples and seconds
         self._process_peak: tuple[int, str] = (0, "")
         self._steps_at_start = 0
         self.metrics: MetricsWriter | None = None
@@ -180,7 +171,6 @@ class Trainer:
             KeyboardInterrupt: a second signal, or a callback raising it (saved if between steps).
             TrainingDivergedError: the loss or the weights went non-finite or past the bound.
         """
-        self._stop_signal = None
         self.progress.start_process()
         self._steps_at_start = self.step
         self._log(self._header())
@@ -188,7 +178,7 @@ class Trainer:
         if note:
             self._log(note, err=True)
         try:
-            with self._stop_on_signals():
+            with self._stop.installed():
                 try:
                     while True:
                         if self.progress.pending_eval is not None:
@@ -299,7 +289,7 @@ class Trainer:
     def _record_step(self, loss: float, sums: dict[str, float], samples: int, seconds: float) -> None:
         self.last_loss = loss
         self.progress.epoch.add(sums, samples, seconds)
-        self._process.add({}, samples, seconds)
+        self._this_process.add({}, samples, seconds)
         self.progress.train_time_s += seconds
         self.progress.samples_seen += samples
         self._memory = live_memory(self.device)
@@ -325,8 +315,7 @@ class Trainer:
             self.save_checkpoint()
         for callback in self.callbacks:
             callback(self)
-        if self._stop_signal is not None:
-            raise TrainingInterrupted(self._stop_signal)
+        self._stop.check()
 
     def _finish_epoch(self) -> None:
         epoch = self.progress.pending_eval
@@ -368,8 +357,7 @@ class Trainer:
                 with self._autocast():
                     output = self.model(x)
                 add_sums(sums, self.task.batch_sums(output, y))
-                if self._stop_signal is not None:
-                    raise TrainingInterrupted(self._stop_signal)
+                self._stop.check()
         finally:
             self.model.train(was_training)
         return self.task.summarize(sums)
@@ -431,7 +419,7 @@ class Trainer:
         return next(iter(probe))
 
     def _summarize(self) -> dict[str, Any]:
-        p, this = self.progress, self._process
+        p, this = self.progress, self._this_process
         last = p.history[-1] if p.history else {}
         names = list(self.task.summarize({}))
         this_process = {
@@ -506,25 +494,3 @@ class Trainer:
 
     def _log(self, message: str, *, err: bool = False) -> None:
         tqdm.write(message, file=sys.stderr if err else self.out)
-
-    @contextmanager
-    def _stop_on_signals(self) -> Iterator[None]:
-        """First Ctrl-C or SIGTERM: stop after this step (and save). A second one: abort at once."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def request_stop(signum: int, frame: Any) -> None:
-            if self._stop_signal is not None:
-                raise KeyboardInterrupt
-            self._stop_signal = signum
-            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-            self._log(f"\n{name}: stopping after this step to save a checkpoint (a second {name} aborts at once)",
-                      err=True)
-
-        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)

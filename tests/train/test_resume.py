@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from revtrain.train import Trainer, load_checkpoint, resolve_run
 
@@ -141,3 +142,19 @@ def test_resume_accepts_the_run_folder(tiny_config: TinyConfig) -> None:
     config = tiny_config("folder", epochs=1)
     Trainer(config).fit()
     assert Trainer(config.replace(resume=config.run_dir)).step == 3
+
+
+def test_a_resume_reads_the_checkpoint_once(tiny_config: TinyConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny_config("once", epochs=1)
+    Trainer(config).fit()
+    reads: list[object] = []
+    real_load = torch.load
+
+    def counting_load(*args: object, **kwargs: object) -> object:
+        reads.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    trainer = Trainer(resolve_run({"resume": config.run_dir, "epochs": 2}))
+    trainer.fit()
+    assert reads == [Path(config.run_dir) / "checkpoint.pt"] and trainer.step == 6
