@@ -6,8 +6,7 @@ import errno
 import json
 import os
 import signal
-import subprocess
-import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import revtrain
 from revtrain.cli import main
 from revtrain.models import list_models
 from revtrain.train import TrainConfig, field_docs, load_checkpoint
@@ -164,20 +162,28 @@ def test_run_safety_errors_are_one_line_naming_the_file(capsys: pytest.CaptureFi
     assert "the previous checkpoint" in err and "is kept unchanged" in err
 
 
-@pytest.mark.multiprocess
-def test_sigterm_saves_and_exits_143(tmp_path: Path) -> None:
+def test_sigterm_saves_and_exits_143(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A real SIGTERM, sent by another thread (as a scheduler would) once training runs."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # a stray signal must not kill pytest
     run = tmp_path / "run"
-    root = Path(revtrain.__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    argv = [sys.executable, "-m", "revtrain.cli", "train", *TINY, "--epochs", "1000", "--threads", "1",
-            "--run-dir", str(run)]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (run / "metrics.jsonl").is_file() or '"step"' not in (run / "metrics.jsonl").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    metrics = run / "metrics.jsonl"
+
+    def scheduler() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if metrics.is_file() and '"step"' in metrics.read_text():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.01)
+
+    sender = threading.Thread(target=scheduler, daemon=True)
+    sender.start()
+    try:
+        code = main(["train", *TINY, "--epochs", "1000", "--run-dir", str(run)])
+    finally:
+        sender.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
     assert "terminated (SIGTERM) at step" in err and f"revtrain train --resume {run / 'checkpoint.pt'}" in err
     assert load_checkpoint(run / "checkpoint.pt")["progress"]["step"] >= 1

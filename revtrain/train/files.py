@@ -14,10 +14,11 @@ next to them).
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO
@@ -71,14 +72,19 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, what: str = "f
     return atomic_write(path, lambda f: f.write(text.encode("utf-8")), what=what)
 
 
-def remove_stale_temp_files(folder: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporary files that killed writers left in ``folder``; returns them.
+def remove_stale_temp_files(folder: str | os.PathLike[str], names: Iterable[str]) -> list[Path]:
+    """Remove the temporary files that killed writers of ``names`` left in ``folder``; returns them.
 
-    A temporary file is stale when the process named in it no longer runs, or is this one (a
-    folder is cleaned before this process writes to it). Files of other live processes stay.
+    A temporary file of ``name`` is ``.<name>.<pid>.<random>.tmp`` (older revtrain wrote
+    ``.<name>.<random>.tmp`` and ``<name>.tmp``). It is stale when the process named in it no
+    longer runs, or is this one (a folder is cleaned before this process writes to it), or no
+    process is named. Files of other live processes, and every other file, stay.
     """
     removed = []
-    for tmp in Path(folder).glob(".*.tmp"):
+    folder = Path(folder)
+    candidates = [p for name in names for p in folder.glob(f".{glob.escape(name)}.*.tmp")]
+    candidates += [folder / f"{name}.tmp" for name in names if (folder / f"{name}.tmp").is_file()]
+    for tmp in candidates:
         parts = tmp.name.split(".")  # ["", name..., pid, random, "tmp"]
         pid = parts[-3] if len(parts) >= 4 else ""
         if pid.isdigit() and int(pid) != os.getpid() and _alive(int(pid)):

@@ -82,7 +82,7 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         self._created = missing
         self._found = {name for name in RUN_FILES if (self.path / name).exists()}
-        stale = remove_stale_temp_files(self.path)
+        stale = remove_stale_temp_files(self.path, RUN_FILES)
         if stale:
             log(f"removed {len(stale)} temporary file(s) left in {self.path} by a killed save: "
                 f"{', '.join(p.name for p in stale)}")
@@ -99,7 +99,7 @@ class RunFolder:
         for name in set(RUN_FILES) - self._found:
             with suppress(FileNotFoundError):
                 (self.path / name).unlink()
-        remove_stale_temp_files(self.path)
+        remove_stale_temp_files(self.path, RUN_FILES)
         for folder in self._created:
             with suppress(OSError):  # not empty: someone else's files are there
                 folder.rmdir()

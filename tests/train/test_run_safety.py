@@ -164,6 +164,8 @@ def test_resumed_run_totals_add_up_over_processes(interrupted: Path, tmp_path: P
     assert summary["train_time_s"] == pytest.approx(before["train_time_s"] + this["train_time_s"], abs=2e-3)
     assert summary["wall_time_s"] >= before["wall_time_s"] + this["train_time_s"] - 2e-3
     assert summary["train_peak_memory_bytes"] >= before["peak_memory_bytes"] > 0
+    after = _state_of(run)["progress"]  # the divergence bound stays the run's first loss
+    assert after["reference_loss"] == before["reference_loss"] > 0 and after["processes"] == 2
 
 
 # ----------------------------------------------------------------------------- options against the checkpoint
@@ -318,12 +320,15 @@ def test_temp_files_of_killed_saves_are_removed_and_live_ones_kept(finished: Pat
     dead = run / ".checkpoint.pt.999999999.0badc0de.tmp"  # no such pid: its writer was killed
     live = run / f".checkpoint.pt.{os.getppid()}.5ca1ab1e.tmp"  # a writer that still runs
     legacy = run / ".checkpoint.pt.k2j3h4g5.tmp"  # mkstemp's name, from an older revtrain
-    for p in (dead, live, legacy):
+    legacy_metrics = run / "metrics.jsonl.tmp"
+    yours = run / ".notes.tmp"  # not a file revtrain writes
+    for p in (dead, live, legacy, legacy_metrics, yours):
         p.write_bytes(b"partial")
     out = io.StringIO()
     Trainer(make_tiny_config(run, resume=str(run)), out=out)
-    assert not dead.exists() and not legacy.exists() and live.exists()
-    assert "removed 2 temporary file(s)" in out.getvalue()
+    assert not dead.exists() and not legacy.exists() and not legacy_metrics.exists()
+    assert live.exists() and yours.exists()
+    assert "removed 3 temporary file(s)" in out.getvalue()
 
 
 @pytest.mark.parametrize("when", ["building", "training"])
