@@ -26,10 +26,11 @@ from typing import BinaryIO
 from revtrain.errors import RevtrainError
 from revtrain.memory import format_bytes
 
-__all__ = ["DiskFullError", "atomic_write", "atomic_write_text", "remove_stale_temp_files"]
+__all__ = ["NO_SPACE", "DiskFullError", "atomic_write", "atomic_write_text", "remove_stale_temp_files"]
 
 _FILE_MODE = 0o666  # minus the umask, as open() does
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+"""The errno values of a full disk or quota."""
 
 
 class DiskFullError(RevtrainError, OSError):
@@ -56,7 +57,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
     except BaseException as err:
         with suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(err, OSError) and err.errno in _NO_SPACE:
+        if isinstance(err, OSError) and err.errno in NO_SPACE:
             kept = (f"the previous {what} {path} is kept unchanged; free some space, then resume" if path.exists()
                     else f"no {what} was written; free some space, then start again")
             raise DiskFullError(

@@ -21,7 +21,7 @@ from torch import nn
 from revtrain.core import set_modes
 from revtrain.memory import process_peak_rss_bytes, track_peak_memory
 from revtrain.tasks import add_sums
-from revtrain.train.files import atomic_write_text
+from revtrain.train.files import NO_SPACE, DiskFullError, atomic_write_text
 from revtrain.train.checkpoint import capture_rng_state, restore_rng_state
 
 __all__ = ["MetricsWriter", "EpochStats", "live_memory", "StepMemory", "measure_step_memory"]
@@ -53,8 +53,14 @@ class MetricsWriter:
     def write(self, event: str, **fields: Any) -> None:
         """Write one record and flush it (a crash loses at most the line being written)."""
         record = {"event": event, "time": round(time.time(), 3), **fields}
-        self._file.write(json.dumps(record, default=_jsonable) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, default=_jsonable) + "\n")
+            self._file.flush()
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+            raise DiskFullError(f"no space left on device while appending to {self.path}; the last "
+                                "checkpoint is kept; free some space, then resume") from None
 
     def close(self) -> None:
         self._file.close()

@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from revtrain.train.checkpoint import CHECKPOINT_NAME, IncompatibleCheckpointError, load_checkpoint
+from revtrain.train.checkpoint import (
+    CHECKPOINT_NAME,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    load_checkpoint,
+)
 from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.runs import RUNS_ROOT, RunExistsError, find_latest_run, holds_run, new_run_dir
 
@@ -103,7 +108,12 @@ def resolve_run(options: Mapping[str, Any] | TrainConfig) -> ResolvedRun:
     if resume is None:
         return _new_run({**given, "resume": None}, notes)
     path = Path(resume)
-    if (path / CHECKPOINT_NAME).is_file():
+    if path.is_dir():
+        if not holds_run(path):
+            raise CorruptCheckpointError(
+                f"--resume {path}: the folder holds no {CHECKPOINT_NAME} (its run stopped before its first "
+                "checkpoint, or it is not a run folder); start a new run without --resume"
+            )
         path = path / CHECKPOINT_NAME
     return _resumed_run(given, path, complete, notes)
 
@@ -165,6 +175,10 @@ def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[
         )
     _refuse_shrinking(config, state, path)
     notes += _announce_changes(saved, config.to_dict(), state)
+    progress, loader = state.get("progress", {}), state["train_loader"]
+    if loader["epoch"] >= config.epochs and progress.get("pending_eval") is None:
+        notes.append(f"resume: {path} has already trained its {config.epochs} epoch(s); nothing to train "
+                     f"(pass --epochs {config.epochs + 1} or more to continue it)")
     strategy_changed = any(saved[k] != getattr(config, k) for k in _STRATEGY)
     return ResolvedRun(config=config, run_dir=run_dir, checkpoint=path, state=state,
                        strategy_changed=strategy_changed, notes=tuple(notes))

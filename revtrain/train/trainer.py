@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 from typing import Any, TextIO
 
 import torch
@@ -364,7 +366,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self, path: str | None = None) -> Any:
+    def save_checkpoint(self, path: str | os.PathLike[str] | None = None) -> Path:
         """Write the training state atomically (default: ``<run_dir>/checkpoint.pt``); returns the path.
 
         Raises:

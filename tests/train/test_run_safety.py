@@ -21,7 +21,9 @@ import pytest
 import torch
 
 import revtrain.train.checkpoint as checkpoint_module
-from revtrain.core import get_modes
+from revtrain.core import get_modes, reversible_blocks
+from revtrain.models import create_model
+from revtrain.planner import Plan
 from revtrain.train import (
     CorruptCheckpointError,
     DiskFullError,
@@ -138,6 +140,13 @@ def test_resume_auto_with_nothing_to_resume_starts_a_new_run(tmp_path: Path, mon
     assert any("no run of revnet38 on digits" in n for n in run.notes)
 
 
+def test_resume_of_a_folder_without_checkpoint_says_so(tmp_path: Path) -> None:
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    with pytest.raises(CorruptCheckpointError, match=f"--resume {dead}: the folder holds no checkpoint.pt"):
+        resolve_run({"resume": str(dead)})
+
+
 # ----------------------------------------------------------------------------- history across processes
 
 
@@ -187,11 +196,10 @@ def test_options_that_change_the_data_or_model_are_refused_on_resume(
     assert (run / "config.json").read_bytes() == config_before
 
 
-@pytest.mark.parametrize(("epochs", "started"), [(1, 2)])
-def test_epochs_below_those_started_are_refused(interrupted: Path, finished: Path, epochs: int, started: int) -> None:
+def test_epochs_below_those_started_are_refused(interrupted: Path, finished: Path) -> None:
     for run in (interrupted, finished):  # mid-epoch 2, and after epoch 2
-        with pytest.raises(ResumeConflictError, match=f"--epochs {epochs} is below the {started} epoch"):
-            resolve_run({"resume": str(run), "epochs": epochs})
+        with pytest.raises(ResumeConflictError, match="--epochs 1 is below the 2 epoch\\(s\\) that .* has already"):
+            resolve_run({"resume": str(run), "epochs": 1})
 
 
 def test_max_steps_per_epoch_below_the_steps_taken_is_refused(interrupted: Path, tmp_path: Path) -> None:
@@ -213,6 +221,24 @@ def test_options_given_on_resume_are_applied_and_recorded(interrupted: Path, tmp
     recorded = json.loads((run / "config.json").read_text())
     assert (recorded["mode"], recorded["lr"], recorded["epochs"]) == ("C", 0.05, 3)
     assert recorded["resume"] == str(run / "checkpoint.pt")
+
+
+def test_a_plan_given_on_resume_replaces_the_saved_modes(interrupted: Path, tmp_path: Path) -> None:
+    names = [name for name, _ in reversible_blocks(create_model("revnet38"))]
+    plan_path = tmp_path / "my_plan.json"
+    Plan(modes={n: "C" if i < 2 else "M" for i, n in enumerate(names)}, budget_bytes=10**9, granularity=1,
+         predicted_step_time_s=0.1, predicted_peak_bytes=10**6, model="revnet38").to_json(plan_path)
+    run = _copy(interrupted, tmp_path / "run")
+    trainer = Trainer(resolve_run({"resume": str(run), "plan": str(plan_path)}), out=io.StringIO())
+    assert list(get_modes(trainer.model).values()) == ["C"] * 2 + ["M"] * 5
+    recorded = json.loads((run / "config.json").read_text())
+    assert (recorded["plan"], recorded["budget"]) == (str(plan_path), None)
+    assert Plan.from_json(run / "plan.json").modes == get_modes(trainer.model)
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(finished: Path) -> None:
+    notes = resolve_run({"resume": str(finished)}).notes
+    assert any("has already trained its 2 epoch(s); nothing to train (pass --epochs 3" in n for n in notes)
 
 
 def test_resume_without_options_restores_the_saved_modes(interrupted: Path, tmp_path: Path) -> None:
@@ -313,6 +339,23 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_config: Tiny
     monkeypatch.undo()
     assert load_checkpoint(ckpt)["progress"]["step"] == 2
     assert sorted(p.name for p in ckpt.parent.iterdir()) == ["checkpoint.pt", "config.json", "metrics.jsonl"]
+
+
+def test_full_disk_while_logging_names_the_metrics_file(tiny_config: TinyConfig,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny_config("full_log")
+    trainer = Trainer(config, out=io.StringIO())
+    assert trainer.metrics is not None
+    real_write = trainer.metrics._file.write
+
+    def write(text: str) -> int:
+        if '"event": "step", "time": ' in text and '"step": 2,' in text:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(text)
+
+    monkeypatch.setattr(trainer.metrics._file, "write", write)
+    with pytest.raises(DiskFullError, match=f"no space left on device while appending to {config.run_dir}/metrics"):
+        trainer.fit()
 
 
 def test_temp_files_of_killed_saves_are_removed_and_live_ones_kept(finished: Path, tmp_path: Path) -> None:
