@@ -61,12 +61,14 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     from revtrain.models import list_models
+    from revtrain.tasks import list_tasks
     from revtrain.train import TrainConfig
 
     train = sub.add_parser("train", help="train a model (default: RevNet-38 on digits, M-mode)",
                            description="Train a model; every option defaults to the recipe in TrainConfig.")
     _add_config_options(train, TrainConfig, const={"amp": "bf16"}, help_suffix={
         "model": f" Choices: {', '.join(list_models())}.",
+        "task": f" Choices: {', '.join(list_tasks())}.",
     })
     train.set_defaults(run=_run_train)
 
@@ -86,10 +88,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from revtrain.train import TrainConfig, Trainer, resolve_config
+    from revtrain.train import TrainConfig, Trainer, TrainingInterrupted, resolve_run
 
-    trainer = Trainer(resolve_config(_given(args, TrainConfig)))
-    trainer.fit()
+    trainer = Trainer(resolve_run(_given(args, TrainConfig)))
+    try:
+        trainer.fit()
+    except TrainingInterrupted as stop:  # the checkpoint is saved and the trainer said where
+        return 128 + stop.signum
     return 0
 
 

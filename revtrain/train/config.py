@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 from dataclasses import dataclass
 from functools import cache
@@ -43,6 +44,8 @@ class TrainConfig:
     """Side of the input images (default: the dataset's own: digits 8, CIFAR 32); digits upsample to it."""
     augment: bool | None = None
     """Training augmentation (default: the dataset's own: on for CIFAR, off for digits)."""
+    task: str | None = None
+    """What the model learns: its loss and metrics (default: the task that fits the model's inputs, classification for images)."""
 
     # --- how long, how big
     epochs: int = 10
@@ -71,6 +74,8 @@ class TrainConfig:
     """Step schedule: fractions of the training steps at which lr is multiplied by gamma."""
     gamma: float = 0.1
     """Step schedule: factor applied to lr at each milestone."""
+    divergence_factor: float = 10.0
+    """Stop the run when a step's training loss exceeds this many times the run's first loss (0: no bound); a NaN or infinite loss always stops it."""
 
     # --- memory strategy
     mode: Literal["M", "C"] = "M"
@@ -94,7 +99,7 @@ class TrainConfig:
     run_dir: str | None = None
     """Folder for metrics, checkpoints and the summary (default: runs/<model>-<dataset>-<time>)."""
     resume: str | None = None
-    """Continue from a checkpoint path, or 'auto' for the newest run of this model and dataset."""
+    """Continue a run: its checkpoint.pt, its folder, or 'auto' for the latest run of this model and dataset (with --run-dir: that run)."""
     checkpoint_every: int = 0
     """Also save a checkpoint every this many steps (0: at the end of each epoch only)."""
     log_every: int = 1
@@ -105,6 +110,7 @@ class TrainConfig:
     """No progress bar; still print one line per epoch and the summary."""
 
     def __post_init__(self) -> None:
+        _all_finite(self)
         _at_least(self, "epochs", 1)
         _at_least(self, "batch_size", 1)
         _at_least(self, "checkpoint_every", 0)
@@ -138,6 +144,10 @@ class TrainConfig:
             )
         if not 0 < self.gamma <= 1:
             raise ConfigError(f"gamma must be in (0, 1], got {self.gamma}")
+        if self.divergence_factor != 0 and not self.divergence_factor > 1:
+            raise ConfigError(f"divergence_factor must be 0 (no bound) or above 1, got {self.divergence_factor}")
+        if self.task is not None and not str(self.task).strip():
+            raise ConfigError("task is empty; leave it unset to use the model's task, or name one")
         if not isinstance(self.mode, str) or self.mode.upper() not in ("M", "C"):
             raise ConfigError(f"mode must be 'M' or 'C', got {self.mode!r}")
         self.mode = self.mode.upper()  # type: ignore[assignment]
@@ -189,6 +199,20 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = inspect.cleandoc(after.value.value)
     return docs
+
+
+def _all_finite(config: TrainConfig) -> None:
+    """Refuse NaN and infinity in every float option (``--lr inf`` passes ``lr > 0``)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ConfigError(f"{f.name} (--{f.name.replace('_', '-')}) must be a finite number, got "
+                              f"{_show(value)}; NaN and infinity cannot train")
+
+
+def _show(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def _at_least(config: TrainConfig, name: str, low: int) -> None:

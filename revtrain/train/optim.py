@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["param_groups", "build_optimizer", "LRSchedule", "build_scheduler"]
+__all__ = ["param_groups", "build_optimizer", "LRSchedule", "build_scheduler", "apply_hyperparameters"]
 
 # Layers whose parameters are normalisation scales/shifts (BatchNorm, GroupNorm, LayerNorm, ...).
 _NORM_TYPES: tuple[type[nn.Module], ...] = (
@@ -110,3 +110,20 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> L
     its position: a resumed run keeps the schedule of its (possibly extended) config.
     """
     return LambdaLR(optimizer, lambda step: schedule.factor(step))
+
+
+def apply_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, schedule: LRSchedule, *,
+    lr: float, momentum: float, nesterov: bool, weight_decay: float,
+) -> None:
+    """Put these settings over the ones a checkpoint restored (a resumed run with new options).
+
+    The learning rate becomes ``lr`` times ``schedule``'s factor at the scheduler's position, so
+    a longer or reshaped schedule continues from the step reached; weight decay goes to the
+    ``"decay"`` group only, as in :func:`param_groups`.
+    """
+    factor = schedule.factor(scheduler.last_epoch)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group in optimizer.param_groups:
+        group.update(initial_lr=lr, lr=lr * factor, momentum=momentum, nesterov=nesterov,
+                     weight_decay=weight_decay if group.get("name") == "decay" else 0.0)
