@@ -155,12 +155,17 @@ class InPlaceABN(Invertible):
         ``y / slope``; then ``x = (z − β)/(γ·invstd) + μ``."""
         _check_weight(record.weight, self.min_weight)
         with torch.no_grad():
-            shape = _channel_shape(y)
-            z = F.leaky_relu(y, 1.0 / self.slope)
-            w, b = record.weight.detach().to(z.dtype), record.bias.detach().to(z.dtype)
-            scale = (w * record.invstd.to(z.dtype)).reciprocal()
-            shift = record.mean.to(z.dtype) - b * scale
-            return z.mul_(scale.view(shape)).add_(shift.view(shape))
+            return self._rebuild(y, record)
+
+    def _rebuild(self, y: Tensor, record: ABNRecord) -> Tensor:
+        # Half types are rebuilt in float32 and rounded once, to y's dtype.
+        compute = torch.promote_types(y.dtype, torch.float32)
+        z = F.leaky_relu(y.to(compute), 1.0 / self.slope)  # a fresh tensor: becomes x in place
+        w, b = record.weight.detach().to(compute), record.bias.detach().to(compute)
+        scale = (w * record.invstd.to(compute)).reciprocal()
+        shift = record.mean.to(compute) - b * scale
+        shape = _channel_shape(y)
+        return z.mul_(scale.view(shape)).add_(shift.view(shape)).to(y.dtype)
 
     # -- the reversible step ------------------------------------------------------------------
 
@@ -204,31 +209,28 @@ class InPlaceABN(Invertible):
         self, y: Tensor, dy: Tensor | None, record: ABNRecord, params: Sequence[Tensor],
         need_input_grad: bool,
     ) -> StepResult:
-        # Half types are computed in float32 (as torch's own batch-norm kernels do), results
-        # cast back; in float32/float64 nothing is copied.
-        compute = torch.promote_types(y.dtype, torch.float32)
-        shape = _channel_shape(y)
-        y_c = y.to(compute)
-        w, b = record.weight.detach().to(compute), record.bias.detach().to(compute)
-        mean, invstd = record.mean.to(compute), record.invstd.to(compute)
-        # x̂ = (z − β)/γ with z = LeakyReLU⁻¹(y): the normalised input, the only full-size
-        # tensor the gradients need besides dz.
-        xhat = F.leaky_relu(y_c, 1.0 / self.slope).sub_(b.view(shape)).div_(w.view(shape))
-        dx: Tensor | None = None
-        grads: list[Tensor | None] = [None] * len(params)
-        if dy is not None:
-            dz = torch.ops.aten.leaky_relu_backward(dy.to(compute), y_c, self.slope, True)
-            dbeta = dz.sum([0, *range(2, y.dim())])
-            dgamma = _channel_dot(dz, xhat)
-            if need_input_grad:
-                if record.batch:  # dx = γ·s·(dz − dβ/N − x̂·dγ/N), written over dz
-                    n = y.numel() // y.shape[1]
-                    dz.addcmul_(xhat, (dgamma / -n).view(shape)).sub_((dbeta / n).view(shape))
-                dx = dz.mul_((w * invstd).view(shape)).to(y.dtype)
-            del dz
-            grads = _match(params, {id(record.weight): dgamma, id(record.bias): dbeta})
-        x = xhat.div_(invstd.view(shape)).add_(mean.view(shape)).to(y.dtype)  # x = x̂/s + μ
-        return StepResult((x,), (dx,), grads)
+        # The forward checked γ; the rebuild needs no second check (and no second sync).
+        x = self._rebuild(y, record)
+        if dy is None:
+            return StepResult((x,), (None,), [None] * len(params))
+        # dz = dy where y > 0, else slope·dy: the sign of z survives in y.
+        dz = torch.ops.aten.leaky_relu_backward(dy, y, self.slope, True)
+        w = record.weight.detach()
+        if record.batch:
+            # Batch norm's own backward kernel on the rebuilt x with the forward's statistics:
+            # dβ = Σdz, dγ = Σdz·x̂, dx = γ·s·(dz − dβ/N − x̂·dγ/N), fused (docs/layers.md).
+            dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
+                dz, x, w, None, None, record.mean, record.invstd, True, self.eps,
+                [need_input_grad, True, True],
+            )
+        else:  # running statistics are constants: dx = γ·s·dz
+            shape, dims = _channel_shape(y), [0, *range(2, y.dim())]
+            dbeta = dz.sum(dims, dtype=w.dtype)
+            dgamma = (dz * (x - record.mean.view(shape))).sum(dims, dtype=w.dtype) * record.invstd
+            dx = (dz * (w * record.invstd).view(shape)).to(y.dtype) if need_input_grad else None
+        del dz
+        grads = _match(params, {id(record.weight): dgamma, id(record.bias): dbeta})
+        return StepResult((x,), (dx if need_input_grad else None,), grads)
 
     def _recompute_reverse(
         self, y: Tensor, dy: Tensor | None, record: ABNRecord, params: Sequence[Tensor],
@@ -236,7 +238,7 @@ class InPlaceABN(Invertible):
     ) -> StepResult:
         """The generic path: rebuild ``x``, run the forward again under autograd (no running
         statistics update), differentiate."""
-        x = self.invert(y, record).requires_grad_(need_input_grad)
+        x = self._rebuild(y, record).requires_grad_(need_input_grad)
         if dy is None:
             return StepResult((x.detach(),), (None,), [None] * len(params))
         w, b = record.weight, record.bias
@@ -363,13 +365,3 @@ def _match(params: Sequence[Tensor], grads: dict[int, Tensor]) -> list[Tensor | 
 def _channel_shape(x: Tensor) -> tuple[int, ...]:
     """Shape that broadcasts a per-channel vector over ``x`` (channels in dimension 1)."""
     return (1, x.shape[1]) + (1,) * (x.dim() - 2)
-
-
-def _channel_dot(a: Tensor, b: Tensor) -> Tensor:
-    """``(a * b)`` summed over every dimension but the channels', without a full-size product
-    when both are contiguous (one batched dot product per sample and channel)."""
-    if a.is_contiguous() and b.is_contiguous():
-        n, c = a.shape[0], a.shape[1]
-        dots = torch.bmm(a.reshape(n * c, 1, -1), b.reshape(n * c, -1, 1))  # (N·C, 1, 1)
-        return dots.view(n, c).sum(0)
-    return (a * b).sum([0, *range(2, a.dim())])
