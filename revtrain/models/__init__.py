@@ -8,6 +8,7 @@ are plain PyTorch: set memory modes from outside with :func:`revtrain.core.set_m
 
 # Importing the model files registers their variants.
 from revtrain.models import resnet, revnet, revnet_single_branch  # noqa: F401
+from revtrain.models import resnext  # noqa: F401  (ResNeXt with In-place ABN)
 from revtrain.models.revnet_single_branch import PetraRevNet
 from revtrain.models.inputs import InputSpec, image_input, token_input
 from revtrain.models.registry import (

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from revtrain.layers import InPlaceABN
+
 __all__ = ["param_groups", "build_optimizer", "LRSchedule", "build_scheduler", "apply_hyperparameters"]
 
 # Layers whose parameters are normalisation scales/shifts (BatchNorm, GroupNorm, LayerNorm, ...).
@@ -26,6 +28,8 @@ _NORM_TYPES: tuple[type[nn.Module], ...] = (
 )
 if hasattr(nn, "RMSNorm"):
     _NORM_TYPES += (nn.RMSNorm,)
+# In-place ABN is a batch norm: decaying its scale towards 0 would make it non-invertible.
+_NORM_TYPES += (InPlaceABN,)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:

@@ -18,6 +18,8 @@ EXPECTED_MODELS = {
     # PETRA, §4.1 (CIFAR stem by default, ImageNet stem with the suffix)
     "resnet18", "resnet34", "resnet50", "resnet18_imagenet", "resnet34_imagenet", "resnet50_imagenet",
     "revnet18", "revnet34", "revnet50", "revnet18_imagenet", "revnet34_imagenet", "revnet50_imagenet",
+    # Jiang et al. 2021 §4.4: ResNeXt with In-place ABN, and plain twins
+    "resnext29_iabn", "resnext29_bn", "resnext101_iabn", "resnext101_bn",
 }
 
 # Reversible blocks implied by the papers' architectures: every unit except a group's first
@@ -30,6 +32,9 @@ REVERSIBLE_BLOCKS = {
     "revnet18": 2 + 1 + 1 + 1,  # one reversible block per residual block of ResNet-18
     "revnet34": 3 + 3 + 5 + 2,
     "revnet50": 2 + 3 + 5 + 2,  # bottleneck: stage 1 widens 64 -> 256
+    # In-place ABN layers: three per unit, the head's one, and the ImageNet stem's two
+    "resnext29_iabn": 3 * 9 + 1,
+    "resnext101_iabn": 3 * 33 + 1 + 2,
 }
 
 
@@ -109,8 +114,8 @@ def test_reversible_structure_matches_the_paper(name):
     assert model_info(name).reversible == bool(blocks)
     base = name.removesuffix("_imagenet")
     assert len(blocks) == REVERSIBLE_BLOCKS.get(base, 0)
-    if not blocks:
-        return
+    if not blocks or not isinstance(blocks[0][1], ReversibleBlock):
+        return  # invertible layers (In-place ABN) are not grouped in sequences
     # All reversible blocks of a stage sit in one ReversibleSequence (flat memory in M-mode).
     sequences = [m for m in model.modules() if isinstance(m, ReversibleSequence)]
     assert len(sequences) == len(model.stages)
