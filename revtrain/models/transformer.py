@@ -229,7 +229,7 @@ _SMALL = dict(context=128, width=128, depth=4, heads=4)
 # the 4x feed-forward are those of the reformer-pytorch enwik8 example the paper adapted.
 _ENWIK8 = dict(context=4096, width=512, depth=12, heads=8)
 _JIANG = "Jiang et al. 2021, §4.5 / Table 2 (Reformer on enwik8)"
-_OURS = "revtrain (a Reformer-style shape sized for this machine)"
+_OURS = "revtrain (Reformer-style, sized for a CPU)"
 
 
 def _build(cls: type[_LanguageModel], shape: dict[str, int], options: dict[str, object]) -> _LanguageModel:

@@ -159,7 +159,7 @@ class ViT(_Encoder):
 
 _DIGITS = dict(image_size=8, patch_size=2, width=64, depth=4, heads=4)
 _CIFAR = dict(image_size=32, patch_size=4, width=128, depth=6, heads=4)
-_PAPER = "revtrain (ViT-style, Dosovitskiy et al. 2021, with Reformer's reversible blocks)"
+_PAPER = "revtrain (ViT-style, Reformer blocks)"
 
 
 def _vit(cls: type[_Encoder], shape: dict[str, int], num_classes: int, in_channels: int,
