@@ -230,7 +230,7 @@ def test_twins_have_the_same_parameter_count(rev, plain):
 
 
 def test_parameter_count_follows_the_architecture():
-    v, t, d, depth = 256, 128, 128, 4
+    v, t, d, depth = 256, 128, 64, 4
     per_layer = (2 * d + 3 * d * d + 3 * d + d * d + d) + (2 * d + 4 * d * d + 4 * d + 4 * d * d + d)
     expected = v * d + t * d + depth * per_layer + 2 * d + v * d
     assert count_params("revformer_small") == expected == count_params("transformer_small")
