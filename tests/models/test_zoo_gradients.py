@@ -65,7 +65,15 @@ def _assert_close_scaled(actual, expected, what):
         )
 
 
-@pytest.mark.parametrize("name", list_models())
+# The convolutional zoo; Transformers (token inputs, fixed patch grids) have their own
+# registry-driven tests in test_transformer.py.
+CONV_MODELS = [
+    n for n in list_models()
+    if model_info(n).builder.__module__ not in ("revtrain.models.transformer", "revtrain.models.vit")
+]
+
+
+@pytest.mark.parametrize("name", CONV_MODELS)
 def test_forward_backward_and_m_mode_equals_c_mode(name):
     torch.manual_seed(0)
     # The digits' shape (1 channel, small images) with a non-default class count.
