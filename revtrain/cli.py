@@ -2,6 +2,7 @@
 
     revtrain train [options]      train a model (default: RevNet-38 on digits, M-mode)
     revtrain models [pattern]     the model zoo with parameter counts
+    revtrain sample --checkpoint  continue a text prompt with a trained language model
     revtrain plan [options]       choose M/C per reversible block for a memory budget
     revtrain bench [options]      step time and memory of a reversible stack, four ways
 
@@ -72,6 +73,13 @@ def _build_parser() -> argparse.ArgumentParser:
     })
     train.set_defaults(run=_run_train)
 
+    from revtrain.train.sample import SampleConfig
+
+    sample = sub.add_parser("sample", help="continue a text prompt with a trained language model",
+                            description="Generate bytes with the model of a `revtrain train --dataset text` run.")
+    _add_config_options(sample, SampleConfig)
+    sample.set_defaults(run=_run_sample)
+
     models = sub.add_parser("models", help="list the model zoo with parameter counts")
     models.add_argument("pattern", nargs="?", default="*", help="shell-style filter, e.g. 'revnet*'")
     models.set_defaults(run=_run_models)
@@ -95,6 +103,13 @@ def _run_train(args: argparse.Namespace) -> int:
         trainer.fit()
     except TrainingInterrupted as stop:  # the checkpoint is saved and the trainer said where
         return 128 + stop.signum
+    return 0
+
+
+def _run_sample(args: argparse.Namespace) -> int:
+    from revtrain.train.sample import SampleConfig, sample_from_checkpoint
+
+    print(sample_from_checkpoint(SampleConfig(**_given(args, SampleConfig))))
     return 0
 
 
@@ -182,9 +197,11 @@ def _add_config_options(
     for f in dataclasses.fields(cls):
         kind = _unwrap_optional(hints[f.name])
         default = defaults.get(f.name, f.default)
-        shown = "" if default is None else f" (default: {_show(default)})"
+        required = default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        shown = "" if default is None or required else f" (default: {_show(default)})"
         text = docs.get(f.name, "") + help_suffix.get(f.name, "") + shown
-        kwargs: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
+        kwargs: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=text.replace("%", "%%"),
+                                      required=required)
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is typing.Literal:

@@ -22,7 +22,7 @@ from revtrain.models.inputs import InputKind, InputSpec
 from revtrain.tasks import Task, get_task, task_for
 from revtrain.train.config import ConfigError
 
-__all__ = ["ModelFit", "fit_model_to_data", "MODEL_OVERRIDES"]
+__all__ = ["ModelFit", "fit_model_to_data", "text_window", "MODEL_OVERRIDES"]
 
 MODEL_OVERRIDES: dict[InputKind, Callable[[InputSpec], dict[str, Any]]] = {
     "image": lambda spec: {"num_classes": spec.num_classes, "in_channels": spec.shape[0]},
@@ -73,3 +73,19 @@ def fit_model_to_data(model: str, task: str | None, info: DatasetInfo, sample_in
         raise ConfigError(f"--task {chosen.name} trains on {chosen.input_kind} inputs and model {model} takes "
                           f"{spec.kind} inputs; drop --task to use the model's own task")
     return ModelFit(spec=spec, overrides=MODEL_OVERRIDES[spec.kind](spec), task=chosen)
+
+
+def text_window(config: Any) -> dict[str, int]:
+    """The ``build_dataloaders`` window option of a token model: ``--context``, or the model's own
+    context (a language model cannot read windows longer than its positions). Empty for images."""
+    spec = input_spec(config.model)
+    if spec.kind != "tokens":
+        if config.context is not None:
+            raise ConfigError(f"--context applies to token models and {config.model} takes {spec.kind} inputs; "
+                              "drop --context")
+        return {}
+    context = config.context if config.context is not None else spec.shape[0]
+    if context > spec.shape[0]:
+        raise ConfigError(f"--context {context} is longer than {config.model}'s context of {spec.shape[0]} "
+                          f"tokens; use --context {spec.shape[0]} or less")
+    return {"context": context}

@@ -18,9 +18,10 @@ from typing import Any, Literal
 
 from revtrain.errors import RevtrainError
 
-__all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "DEVICES", "AMP_DTYPES"]
+__all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "OPTIMIZERS", "DEVICES", "AMP_DTYPES"]
 
 SCHEDULES = ("cosine", "step")
+OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("bf16", "fp16")
 
@@ -37,9 +38,9 @@ class TrainConfig:
     model: str = "revnet38"
     """Model name from the registry (`revtrain models` lists them)."""
     dataset: str = "digits"
-    """Dataset: digits (bundled, offline), cifar10, cifar100 (local folder) or synthetic."""
+    """Dataset: digits (bundled, offline), cifar10, cifar100 (local folder), synthetic, or text (bytes of local text files; default corpus: the Python standard library's sources)."""
     data_dir: str | None = None
-    """Folder holding the extracted CIFAR batches (default: $REVTRAIN_DATA_DIR or ./data)."""
+    """CIFAR: folder holding the extracted batches (default: $REVTRAIN_DATA_DIR or ./data). Text: a file or folder of text files, or one with enwik8 (default: the Python standard library's sources)."""
     image_size: int | None = None
     """Side of the input images (default: the dataset's own: digits 8, CIFAR 32); digits upsample to it."""
     augment: bool | None = None
@@ -57,13 +58,20 @@ class TrainConfig:
     max_steps_per_epoch: int | None = None
     """Stop each epoch after this many steps (for quick checks and tests); default: whole epoch."""
 
+    context: int | None = None
+    """Text: bytes per training window (default: the model's context)."""
+
     # --- optimizer and schedule
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    """sgd (momentum, Nesterov) or adamw (betas 0.9/0.95, decoupled weight decay: the usual choice for Transformers)."""
     lr: float = 0.1
-    """Peak learning rate of SGD, reached at the end of the warm-up."""
+    """Peak learning rate, reached at the end of the warm-up."""
     momentum: float = 0.9
-    """SGD momentum."""
+    """SGD momentum (unused by adamw)."""
     nesterov: bool = True
-    """Nesterov momentum."""
+    """Nesterov momentum (SGD only)."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this before each update (default: no clipping)."""
     weight_decay: float = 5e-4
     """L2 weight decay, applied to weights only: never to norm parameters or biases."""
     warmup_epochs: float = 1.0
@@ -123,11 +131,17 @@ class TrainConfig:
             _at_least(self, "threads", 1)
         if self.image_size is not None:
             _at_least(self, "image_size", 1)
+        if self.context is not None:
+            _at_least(self, "context", 1)
+        _choice(self, "optimizer", OPTIMIZERS)
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"grad_clip (--grad-clip) must be positive, got {self.grad_clip}; leave it out "
+                              "for no clipping")
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.nesterov and self.momentum == 0:
+        if self.optimizer == "sgd" and self.nesterov and self.momentum == 0:
             raise ConfigError("Nesterov momentum needs momentum > 0; set --momentum or pass --no-nesterov")
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")

@@ -59,13 +59,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object
     return [g for g in groups if g["params"]]
 
 
+ADAMW_BETAS = (0.9, 0.95)
+"""AdamW's betas: the usual choice for Transformer language models (GPT-2/3, nanoGPT)."""
+
+
 def build_optimizer(
-    model: nn.Module, *, lr: float, momentum: float, nesterov: bool, weight_decay: float
-) -> torch.optim.SGD:
-    """SGD over :func:`param_groups` (arguments as in :class:`~revtrain.train.TrainConfig`)."""
-    return torch.optim.SGD(
-        param_groups(model, weight_decay), lr=lr, momentum=momentum, nesterov=nesterov
-    )
+    model: nn.Module, *, lr: float, momentum: float, nesterov: bool, weight_decay: float,
+    kind: str = "sgd",
+) -> torch.optim.Optimizer:
+    """SGD or AdamW over :func:`param_groups` (arguments as in :class:`~revtrain.train.TrainConfig`)."""
+    groups = param_groups(model, weight_decay)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=ADAMW_BETAS)
+    if kind != "sgd":
+        raise ValueError(f"unknown optimizer {kind!r}; use 'sgd' or 'adamw'")
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +136,7 @@ def apply_hyperparameters(
     """
     factor = schedule.factor(scheduler.last_epoch)
     scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    momentum_settings = {"momentum": momentum, "nesterov": nesterov} if isinstance(optimizer, torch.optim.SGD) else {}
     for group in optimizer.param_groups:
-        group.update(initial_lr=lr, lr=lr * factor, momentum=momentum, nesterov=nesterov,
+        group.update(initial_lr=lr, lr=lr * factor, **momentum_settings,
                      weight_decay=weight_decay if group.get("name") == "decay" else 0.0)

@@ -49,17 +49,19 @@ _FIXED_REASONS = {
     "augment": "changing it mid-run would change the data the run trains on",
     "batch_size": "the data order and the schedule's position are counted in batches of that size",
     "seed": "the data order and augmentation of the rest of the run come from that seed",
+    "optimizer": "the checkpoint holds that optimizer's state",
+    "context": "changing it mid-run would change the data the run trains on",
 }
 """Options a resumed run cannot change, and why."""
 
-_NONE_MEANS_DEFAULT = ("task", "image_size", "augment", "eval_batch_size", "data_dir", "run_dir")
+_NONE_MEANS_DEFAULT = ("task", "image_size", "augment", "eval_batch_size", "data_dir", "run_dir", "context")
 """Options whose None means "the default": None given with a complete config is not a change."""
 
 _STRATEGY = ("mode", "budget", "plan")
 
 _ANNOUNCED = ("epochs", "max_steps_per_epoch", "lr", "momentum", "nesterov", "weight_decay", "warmup_epochs",
               "schedule", "milestones", "gamma", "divergence_factor", "mode", "budget", "plan", "device",
-              "amp", "eval_batch_size")
+              "amp", "eval_batch_size", "grad_clip")
 """Options whose change on resume is said out loud (the others only change outputs)."""
 
 

@@ -40,7 +40,7 @@ from revtrain.data import build_dataloaders
 from revtrain.memory import format_bytes
 from revtrain.models import create_model
 from revtrain.tasks import add_sums
-from revtrain.train.build import fit_model_to_data
+from revtrain.train.build import fit_model_to_data, text_window
 from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
 from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.divergence import TrainingDivergedError, divergence_reason
@@ -92,12 +92,14 @@ class Trainer:
             config.dataset, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size,
             data_dir=config.data_dir, seed=config.seed,
             augment=config.augment, image_size=config.image_size, pin_memory=self.device.type == "cuda",
+            **text_window(config),
         )
         fit = fit_model_to_data(config.model, config.task, self.data_info, self.first_batch()[0])
         self.task, self.input_spec = fit.task, fit.spec
         self.model = create_model(config.model, **fit.overrides).to(self.device)
         self.optimizer = build_optimizer(self.model, lr=config.lr, momentum=config.momentum,
-                                         nesterov=config.nesterov, weight_decay=config.weight_decay)
+                                         nesterov=config.nesterov, weight_decay=config.weight_decay,
+                                         kind=config.optimizer)
         batches = len(self.train_loader)
         self.steps_per_epoch = min(batches, config.max_steps_per_epoch or batches)
         self.schedule = LRSchedule(
@@ -263,6 +265,10 @@ class Trainer:
 
     def optimizer_step(self) -> None:
         """Apply the accumulated gradients, advance the learning-rate schedule and the step count."""
+        if self.config.grad_clip is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
