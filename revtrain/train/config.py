@@ -100,6 +100,8 @@ class TrainConfig:
     """Mixed precision on CUDA: bf16 autocast, or fp16 autocast with a gradient scaler."""
     threads: int | None = None
     """CPU threads for torch ops (torch.set_num_threads; default: torch's, one per core)."""
+    compile: bool = False
+    """torch.compile F and G of every reversible block and the non-reversible parts (revtrain.compilation); the first steps pay the compilation."""
     seed: int = 0
     """Seed of model initialisation, data order and augmentation."""
 

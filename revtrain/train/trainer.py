@@ -40,6 +40,7 @@ from revtrain.data import build_dataloaders
 from revtrain.memory import format_bytes
 from revtrain.models import create_model
 from revtrain.tasks import add_sums
+from revtrain.compilation import compile_model
 from revtrain.train.build import fit_model_to_data, text_window
 from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
 from revtrain.train.config import ConfigError, TrainConfig
@@ -97,6 +98,7 @@ class Trainer:
         fit = fit_model_to_data(config.model, config.task, self.data_info, self.first_batch()[0])
         self.task, self.input_spec = fit.task, fit.spec
         self.model = create_model(config.model, **fit.overrides).to(self.device)
+        self.compiled = compile_model(self.model) if config.compile else []
         self.optimizer = build_optimizer(self.model, lr=config.lr, momentum=config.momentum,
                                          nesterov=config.nesterov, weight_decay=config.weight_decay,
                                          kind=config.optimizer)
@@ -485,7 +487,8 @@ class Trainer:
             f"{f'{len(modes)} reversible blocks: {counts}' if modes else 'no reversible blocks'}) on "
             f"{info.name} ({info.train_size} train / {info.test_size} test, "
             f"{'x'.join(map(str, info.input_shape))}), {self.device}"
-            f"{f', amp {self.config.amp}' if self.config.amp else ''}; {self.config.epochs} epochs x "
+            f"{f', amp {self.config.amp}' if self.config.amp else ''}"
+            f"{f', compiled ({len(self.compiled)} modules)' if self.compiled else ''}; {self.config.epochs} epochs x "
             f"{self.steps_per_epoch} steps of {self.config.batch_size}; run folder {self.run_dir}"
         )
 
