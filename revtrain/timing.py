@@ -2,18 +2,25 @@
 
 On CUDA a timing starts and stops with CUDA events, so it covers the kernels queued in between
 and not only their launch; on CPU it is ``time.perf_counter``. The planner and the benchmarks
-time with :func:`timer` and describe the spread of repeated timings with :func:`iqr`.
+time with :func:`timer`, describe the spread of repeated timings with :func:`iqr`, and decide
+when enough repetitions were timed with :func:`median_is_stable`.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["iqr", "timed", "timer"]
+__all__ = ["iqr", "median_is_stable", "median_stderr", "stderr_from_iqr", "timed", "timer"]
+
+# The standard error of the median of n normal samples is sqrt(pi/2) * sigma / sqrt(n), and a
+# normal sample's IQR is 1.349 sigma: se(median) = 0.929 * IQR / sqrt(n). The IQR makes the
+# estimate robust to the occasional slow repetition a shared machine produces.
+_SE_OF_MEDIAN_PER_IQR = math.sqrt(math.pi / 2) / 1.349
 
 Stopwatch = Callable[[], float]
 """``stop()`` -> seconds since the timer was started."""
@@ -59,3 +66,19 @@ def iqr(values: Sequence[float]) -> float:
         return 0.0
     q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
     return q3 - q1
+
+
+def stderr_from_iqr(spread: float, n: int) -> float:
+    """Standard error of a median of ``n`` values whose interquartile range is ``spread``."""
+    return _SE_OF_MEDIAN_PER_IQR * spread / math.sqrt(n)
+
+
+def median_stderr(values: Sequence[float]) -> float:
+    """Standard error of the median of ``values``, estimated robustly: ``0.929 * IQR / sqrt(n)``."""
+    return stderr_from_iqr(iqr(values), len(values)) if values else math.inf
+
+
+def median_is_stable(values: Sequence[float], precision: float) -> bool:
+    """Whether the median of ``values`` is known to ``precision`` of itself (its standard error,
+    :func:`median_stderr`, is at most ``precision * |median|``)."""
+    return bool(values) and median_stderr(values) <= precision * abs(statistics.median(values))

@@ -19,7 +19,6 @@ own estimate ``t_e ~ t_f1`` (one forward of the block, §4.2) is used instead.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,14 +28,9 @@ from torch import Tensor
 
 from revtrain.core import ReversibleBlock, reversible_blocks, split_halves
 from revtrain.planner.setup import MeasurementSetup, call_model
-from revtrain.timing import iqr, timer
+from revtrain.timing import iqr, median_is_stable, timer
 
 __all__ = ["BlockTiming", "TimingRule", "time_blocks"]
-
-# Standard error of the median of n normal samples is sqrt(pi/2) * sigma / sqrt(n), and a normal
-# sample's IQR is 1.349 sigma: se(median) = 0.929 * IQR / sqrt(n).
-_SE_OF_MEDIAN_PER_IQR = math.sqrt(math.pi / 2) / 1.349
-
 
 @dataclass(frozen=True, kw_only=True)
 class TimingRule:
@@ -61,15 +55,18 @@ class TimingRule:
         if not self.precision > 0:
             raise ValueError(f"TimingRule.precision must be > 0, got {self.precision}")
 
+    @classmethod
+    def with_cap(cls, precision: float, max_pairs: int) -> TimingRule:
+        """The rule with this precision and cap (``--t-e-precision``, ``--t-e-max-pairs``); the
+        minimum number of pairs is lowered to the cap when the cap is below it."""
+        return cls(precision=precision, min_pairs=min(cls.min_pairs, max_pairs), max_pairs=max_pairs)
+
     def settled(self, differences: list[float]) -> bool:
         """Whether the median of these per-pair differences is known well enough to stop."""
         n = len(differences)
         if n >= self.max_pairs:
             return True
-        if n < self.min_pairs:
-            return False
-        stderr = _SE_OF_MEDIAN_PER_IQR * iqr(differences) / math.sqrt(n)
-        return stderr <= self.precision * abs(statistics.median(differences))
+        return n >= self.min_pairs and median_is_stable(differences, self.precision)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,10 @@ class PlanConfig:
     confirm: int = 2
     """--sweep: plan and measure this many of the best predicted batch sizes with the full pipeline."""
     repeats: int = 3
-    """Timed steps per whole-step measurement (medians are used)."""
+    """Timed rounds of each whole-step measurement, at least (medians are used)."""
+    max_repeats: int | None = None
+    """Timed rounds at most: more are timed while a median step is not yet known to 2% (default: 4 x
+    --repeats)."""
     warmup: int = 2
     """Untimed steps before each whole-step measurement."""
     refine: int = 4
@@ -103,13 +106,14 @@ class PlanConfig:
                 raise PlanConfigError(f"input_shape must be positive sizes like 3 32 32, got {self.input_shape}")
         if self.num_classes is not None:
             _at_least(self, "num_classes", 1)
+        if self.max_repeats is not None:
+            _at_least(self, "max_repeats", self.repeats)
         if self.threads is not None:
             _at_least(self, "threads", 1)
 
     def timing_rule(self) -> TimingRule:
         """How each block's ``t_e`` is timed."""
-        pairs = self.t_e_max_pairs
-        return TimingRule(precision=self.t_e_precision, min_pairs=min(TimingRule.min_pairs, pairs), max_pairs=pairs)
+        return TimingRule.with_cap(self.t_e_precision, self.t_e_max_pairs)
 
 
 def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
@@ -143,7 +147,7 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
     say(f"revtrain plan: {config.model}, batch {config.batch_size} x {shape}, {config.dtype} on {dev}")
     with prepare(
         model, batch, loss_fn=task_for(spec).loss, device=dev, repeats=config.repeats,
-        warmup=config.warmup, model_name=config.model,
+        max_repeats=config.max_repeats, warmup=config.warmup, model_name=config.model,
     ) as setup:
         result = run_pipeline(
             setup, config.budget, verify=config.verify, refine=config.refine, baselines=True,

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from revtrain.core import set_modes
 from revtrain.memory import track_peak_memory
 from revtrain.planner.setup import MeasurementSetup, Modes
-from revtrain.timing import timed
+from revtrain.timing import median_is_stable, timed
 
 __all__ = ["StepMeasurement", "step_memory_floor", "measure_steps", "param_storage_ptrs", "storage_bytes"]
 
@@ -74,24 +74,29 @@ def measure_steps(
     """Measure training steps of ``setup``'s model in several mode settings so that they compare.
 
     The model starts from its prepared state (:meth:`MeasurementSetup.reset`). Each setting gets
-    ``warmup`` untimed steps; then the timed steps of the settings alternate (``M, C, M, C,
-    ...``), so a change in the machine's load hits each setting alike; then each setting gets one
-    step under the memory tracker. One optimizer serves all settings (modes do not change the
-    parameters).
+    ``warmup`` untimed steps; then the timed steps of the settings alternate in rounds (``M, C,
+    M, C, ...``), so a change in the machine's load hits each setting alike; then each setting
+    gets one step under the memory tracker. One optimizer serves all settings (modes do not
+    change the parameters).
+
+    **Rounds.** By default at least ``setup.repeats`` rounds, then more while some setting's
+    median step is not yet known to ``setup.step_precision`` of itself
+    (:func:`revtrain.timing.median_is_stable`), up to ``setup.max_repeats``. Given ``repeats``,
+    exactly that many.
 
     Args:
         setup: What to measure (:func:`~revtrain.planner.setup.prepare`).
         settings: Name -> modes, e.g. ``{"baseline-M": "M", "plan": plan.modes}``.
-        repeats: Timed rounds; default ``setup.repeats``; 0 measures the peaks only.
+        repeats: Exactly this many timed rounds; 0 measures the peaks only.
         warmup: Untimed steps per setting first; default ``setup.warmup``; at least 1.
 
     Returns:
         A :class:`StepMeasurement` per setting, by name.
     """
-    repeats = setup.repeats if repeats is None else repeats
+    low, high = (setup.repeats, setup.max_repeats) if repeats is None else (repeats, repeats)
     warmup = setup.warmup if warmup is None else warmup
-    if repeats < 0:
-        raise ValueError(f"repeats must be >= 0, got {repeats}")
+    if low < 0:
+        raise ValueError(f"repeats must be >= 0, got {low}")
     if warmup < 1:
         raise ValueError(f"warmup must be >= 1 (the first step creates the optimizer state), got {warmup}")
     model, dev = setup.model, setup.device
@@ -112,10 +117,16 @@ def measure_steps(
         for _ in range(warmup):
             step()
     times: dict[str, list[float]] = {name: [] for name in settings}
-    for _ in range(repeats):
+
+    def stable() -> bool:
+        return all(median_is_stable(t, setup.step_precision) for t in times.values())
+
+    rounds = 0
+    while rounds < high and (rounds < low or (low > 0 and not stable())):
         for name, modes in settings.items():
             use(modes)
             times[name].append(timed(step, dev))
+        rounds += 1
 
     results: dict[str, StepMeasurement] = {}
     for name, modes in settings.items():

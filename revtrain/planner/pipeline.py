@@ -58,6 +58,7 @@ def plan_for_model(
     device: torch.device | str | None = None,
     repeats: int = 3,
     warmup: int = 2,
+    max_repeats: int | None = None,
     verify: bool = True,
     measure: bool = False,
     model_name: str | None = None,
@@ -88,8 +89,11 @@ def plan_for_model(
             default SGD with momentum.
         device: Where training runs; ``"auto"`` picks CUDA when present; default the model's
             device. The model is moved there (``model.to(device)``).
-        repeats: Timed steps per whole-step measurement; medians are used.
+        repeats: Timed rounds per whole-step measurement, at least; medians are used.
         warmup: Untimed steps before each whole-step measurement.
+        max_repeats: Timed rounds at most: rounds go on after ``repeats`` until every median step
+            is known to 2% (:func:`~revtrain.planner.measure.measure_steps`); default
+            ``4 * repeats``.
         verify: Run stage 1 first.
         measure: Also measure the plan's real step at the end and record its time and peak in
             the plan (``plan.summary()`` then prints them next to the prediction).
@@ -114,7 +118,7 @@ def plan_for_model(
     """
     with prepare(
         model, example_batch, loss_fn=loss_fn, make_optimizer=make_optimizer, device=device,
-        repeats=repeats, warmup=warmup, model_name=model_name,
+        repeats=repeats, warmup=warmup, max_repeats=max_repeats, model_name=model_name,
     ) as setup:
         result = run_pipeline(
             setup, budget, verify=verify, profile=profile, refine=refine, measure=measure,

@@ -63,6 +63,7 @@ def profile_model(
     device: torch.device | str | None = None,
     repeats: int = 3,
     warmup: int = 2,
+    max_repeats: int | None = None,
     model_name: str | None = None,
     run_baseline_c: bool | None = None,
     timing: TimingRule | None = None,
@@ -74,7 +75,7 @@ def profile_model(
     """
     with prepare(
         model, batch, loss_fn=loss_fn, make_optimizer=make_optimizer, device=device,
-        repeats=repeats, warmup=warmup, model_name=model_name,
+        repeats=repeats, warmup=warmup, max_repeats=max_repeats, model_name=model_name,
     ) as setup:
         return profile_setup(setup, timing=timing, run_baseline_c=run_baseline_c)
 

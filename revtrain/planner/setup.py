@@ -126,7 +126,13 @@ class MeasurementSetup:
     device: torch.device
     """Where everything runs."""
     repeats: int
-    """Timed repetitions per measurement (medians are reported); 0 measures peaks only."""
+    """Timed rounds of a whole-step measurement, at least (medians are reported); 0 measures peaks
+    only."""
+    max_repeats: int
+    """Timed rounds at most: after ``repeats`` rounds, rounds go on until every setting's median
+    step is known to ``step_precision`` of itself (:func:`revtrain.timing.median_is_stable`)."""
+    step_precision: float
+    """See ``max_repeats``."""
     warmup: int
     """Untimed repetitions before each measurement (at least 1: it creates the optimizer state)."""
     model_name: str
@@ -177,6 +183,8 @@ def prepare(
     device: torch.device | str | None = None,
     repeats: int = 3,
     warmup: int = 2,
+    max_repeats: int | None = None,
+    step_precision: float = 0.02,
     model_name: str | None = None,
     autocast: Callable[[], AbstractContextManager[Any]] | None = None,
 ) -> Iterator[MeasurementSetup]:
@@ -189,8 +197,11 @@ def prepare(
         make_optimizer: The training's optimizer factory; default :func:`default_optimizer`.
         device: Where to measure: ``"auto"``, ``"cpu"``, ``"cuda:1"``, a ``torch.device``; the
             model is moved there (``model.to(device)``, once). None: the model's device.
-        repeats: Timed repetitions per measurement (``>= 0``).
-        warmup: Untimed repetitions before each (``>= 1``).
+        repeats: Timed rounds per whole-step measurement, at least (``>= 0``).
+        warmup: Untimed steps before each (``>= 1``).
+        max_repeats: Timed rounds at most, spent only while some setting's median step is not
+            yet known to ``step_precision``; default ``4 * repeats``.
+        step_precision: Relative standard error of the median step at which timing stops.
         model_name: Name for profiles and plans; default the model's class name.
         autocast: Context for the forward and the loss; default none.
 
@@ -202,6 +213,11 @@ def prepare(
         raise ValueError(f"repeats must be an integer >= 0, got {repeats!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"warmup must be an integer >= 1 (the first step creates the optimizer state), got {warmup!r}")
+    max_repeats = 4 * repeats if max_repeats is None else max_repeats
+    if isinstance(max_repeats, bool) or not isinstance(max_repeats, int) or max_repeats < repeats:
+        raise ValueError(f"max_repeats must be an integer >= repeats ({repeats}), got {max_repeats!r}")
+    if not step_precision > 0:
+        raise ValueError(f"step_precision must be > 0, got {step_precision!r}")
     if device is None:
         dev = next((t.device for t in _model_tensors(model)), torch.device("cpu"))
     else:
@@ -213,7 +229,8 @@ def prepare(
         yield MeasurementSetup(
             model=model, inputs=inputs, targets=targets, loss_fn=loss_fn,
             make_optimizer=make_optimizer or default_optimizer, device=dev, repeats=repeats,
-            warmup=warmup, model_name=model_name or type(model).__name__,
+            max_repeats=max_repeats, step_precision=step_precision, warmup=warmup,
+            model_name=model_name or type(model).__name__,
             autocast=autocast or nullcontext, state=state,
         )
 

@@ -103,6 +103,7 @@ def sweep_batch_sizes(
     device: torch.device | str | None = None,
     repeats: int = 3,
     warmup: int = 2,
+    max_repeats: int | None = None,
     verify: bool = True,
     model_name: str | None = None,
     refine: int = 4,
@@ -121,8 +122,8 @@ def sweep_batch_sizes(
             the largest candidate (all of them when there are at most three).
         confirm: How many of the best predicted batch sizes to plan with the full pipeline and
             measure.
-        loss_fn, make_optimizer, device, repeats, warmup, verify, model_name, refine, timing,
-            progress: As :func:`~revtrain.planner.plan_for_model`.
+        loss_fn, make_optimizer, device, repeats, warmup, max_repeats, verify, model_name, refine,
+            timing, progress: As :func:`~revtrain.planner.plan_for_model`.
 
     Raises:
         ValueError: an empty range, or a malformed budget.
@@ -131,7 +132,7 @@ def sweep_batch_sizes(
     make_batch: BatchFactory = batches if callable(batches) else (lambda b: resize_batch(batches, b))
     with prepare(
         model, make_batch(sizes[0]), loss_fn=loss_fn, make_optimizer=make_optimizer, device=device,
-        repeats=repeats, warmup=warmup, model_name=model_name,
+        repeats=repeats, warmup=warmup, max_repeats=max_repeats, model_name=model_name,
     ) as setup:
         return sweep_setup(
             setup, make_batch, sizes, budget, profile_sizes=profile_sizes, confirm=confirm,

@@ -178,3 +178,25 @@ def test_the_profile_records_the_spread_of_t_e(tiny_profiled):
     for b in profile.blocks:
         assert b.t_e_pairs is not None and TimingRule().min_pairs <= b.t_e_pairs <= TimingRule().max_pairs
         assert b.t_e_iqr_s is not None and b.t_e_iqr_s >= 0
+
+
+@pytest.mark.parametrize(("noisy", "rounds"), [(False, 3), (True, 6)])
+def test_whole_steps_are_timed_until_their_medians_are_stable(monkeypatch, noisy, rounds):
+    # A step "takes" 1 s, or alternately 1 s and 2 s: the first is stable after the 3 rounds asked
+    # for, the second never is (its median is known to ~30%, not 2%) and stops at max_repeats.
+    import itertools
+
+    import revtrain.planner.measure as measure_mod
+
+    clock = itertools.cycle([1.0, 1.0, 2.0, 2.0] if noisy else [1.0])
+
+    def scripted(fn, device):
+        fn()
+        return next(clock)
+
+    monkeypatch.setattr(measure_mod, "timed", scripted)
+    with prepare(tiny_model(), tiny_batch(), repeats=3, max_repeats=6, warmup=1) as setup:
+        adaptive = measure_steps(setup, {"M": "M", "C": "C"})
+        fixed = measure_steps(setup, {"M": "M"}, repeats=2)
+    assert len(adaptive["M"].times_s) == len(adaptive["C"].times_s) == rounds
+    assert len(fixed["M"].times_s) == 2

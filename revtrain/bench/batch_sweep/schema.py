@@ -86,8 +86,7 @@ class PlannerBenchConfig:
 
     def timing_rule(self) -> TimingRule:
         """How each block's ``t_e`` is timed while profiling."""
-        pairs = self.t_e_max_pairs
-        return TimingRule(precision=self.t_e_precision, min_pairs=min(TimingRule.min_pairs, pairs), max_pairs=pairs)
+        return TimingRule.with_cap(self.t_e_precision, self.t_e_max_pairs)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
