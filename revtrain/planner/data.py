@@ -118,6 +118,13 @@ class Profile:
     """How the peaks were counted (``"cuda-allocator"``, ``"cpu-dispatch"``); None if unknown."""
     optimizer: str | None = None
     """Class name of the optimizer whose state is inside ``m_o_bytes``; None if unknown."""
+    t_e_scale: float | None = None
+    """What a second of ``t_e`` saves in a whole step: ``(step_time_M_s - step_time_C_s) / sum(t_e)``,
+    both whole steps measured in one interleaved run. ``t_e`` is timed per block in isolation,
+    where C-mode's kept memory costs less than in a whole step; plans predict their step time as
+    ``step_time_M_s - t_e_scale * sum(t_e over C-mode blocks)``, exact at both baselines. None
+    (baseline-C not measured, or a profile from before it was recorded): 1, the paper's model.
+    The knapsack's choices do not depend on it (all values scale alike)."""
     torch_version: str = field(default_factory=lambda: str(torch.__version__))
     """``torch.__version__`` of the profiling run."""
     timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
@@ -145,6 +152,12 @@ class Profile:
         for attr in ("peak_M_bytes", "peak_C_bytes"):
             if getattr(self, attr) is not None:
                 setattr(self, attr, _nonneg_int(getattr(self, attr), f"Profile.{attr}"))
+        if self.t_e_scale is not None:
+            self.t_e_scale = _nonneg_float(self.t_e_scale, "Profile.t_e_scale")
+
+    def saved_time_s(self, c_mode_t_e_s: float) -> float:
+        """Seconds per step that C-mode blocks whose ``t_e`` add up to ``c_mode_t_e_s`` save."""
+        return c_mode_t_e_s * (1.0 if self.t_e_scale is None else self.t_e_scale)
 
     def m_o_at(self, batch_size: int) -> int:
         """Baseline-M peak predicted at another batch size by the linear memory model.
@@ -193,7 +206,8 @@ class Plan:
     granularity: int
     """Bytes per unit of the knapsack table (1: solved in exact bytes)."""
     predicted_step_time_s: float
-    """Baseline-M step time minus the ``t_e`` of the C-mode blocks."""
+    """Baseline-M step time minus what the C-mode blocks save: their ``t_e``, times the profile's
+    ``t_e_scale`` when it has one."""
     predicted_peak_bytes: int
     """``m_o`` plus the ``m`` of the C-mode blocks; never above ``budget_bytes`` for a solved plan."""
     model: str = ""

@@ -19,11 +19,13 @@ For a prepared model and batch, :func:`profile_setup` measures (Jiang et al. 202
   middle of a run of M-mode blocks also makes the run before it keep its output. The profile
   keeps both counts and uses the larger, so the prediction errs on the safe side.
 * **t_e** — the extra time of M-mode, timed per block in M/C pairs until stable
-  (:mod:`revtrain.planner.block_timing`). Cross-checked against whole steps:
-  ``step_time_M_s - step_time_C_s`` should be close to the sum of ``t_e``.
-* **baseline-C** — a whole step with every block in C-mode, when its predicted peak
-  ``m_o + sum(m_i)`` fits the memory the device has (on CUDA an out-of-memory error also just
-  skips it). Its timed steps alternate with baseline-M's, so the two times compare.
+  (:mod:`revtrain.planner.block_timing`).
+* **baseline-M and baseline-C** — whole steps with every block in M-mode and in C-mode, their
+  timed steps alternating until both medians are stable, baseline-C only when its predicted
+  peak ``m_o + sum(m_i)`` fits the memory the device has (on CUDA an out-of-memory error also
+  just skips it). ``step_time_M_s - step_time_C_s`` is what C-mode saves in a whole step; its
+  ratio to ``sum(t_e)``, ``t_e_scale``, turns the isolated ``t_e`` into whole-step savings when
+  a plan predicts its step time (:attr:`~revtrain.planner.data.Profile.t_e_scale`).
 
 Profiling runs the model; :func:`~revtrain.planner.setup.prepare` puts it back afterwards.
 """
@@ -122,6 +124,10 @@ def profile_setup(
             run_baseline_c = predicted_c <= _C_HEADROOM * room
         except ValueError:
             run_baseline_c = False
+    say("profiling: t_e of each block, M and C timed in pairs until stable ...")
+    timing_by_name = time_blocks(setup, timing, progress=progress)
+    # The whole steps last: their baseline-M time anchors the plan's predicted step, and the
+    # final measurement of the plan comes soon after.
     say("profiling: whole baseline-M" + (" and baseline-C" if run_baseline_c else "") + " steps ...")
     steps: dict[str, StepMeasurement] = {}
     if run_baseline_c:
@@ -132,8 +138,10 @@ def profile_setup(
     if not steps:
         steps = measure_steps(setup, {"M": "M"})
     base_c = steps.get("C")
-    say("profiling: t_e of each block, M and C timed in pairs until stable ...")
-    timing_by_name = time_blocks(setup, timing, progress=progress)
+    sum_t_e = sum(t.t_e_s for t in timing_by_name.values())
+    t_e_scale = None
+    if base_c is not None and sum_t_e > 0:
+        t_e_scale = max(0.0, steps["M"].step_time_s - base_c.step_time_s) / sum_t_e
     block_profiles = [
         BlockProfile(
             name=name,
@@ -166,6 +174,7 @@ def profile_setup(
         peak_C_bytes=base_c.peak_bytes if base_c else None,
         memory_method=base_m.method,
         optimizer=base_m.optimizer,
+        t_e_scale=t_e_scale,
     )
 
 

@@ -16,8 +16,8 @@ def report_plan(result: PlanningResult, out: TextIO) -> None:
     """Per-block table, then predicted and measured step time and peak of the plan and the baselines.
 
     Predictions come from the profile (baseline-M: the profiled step; baseline-C: baseline-M minus
-    every t_e, m_o plus every m_i); measurements are one run after planning whose settings'
-    timed steps alternate.
+    what every block saves, m_o plus every m_i); measurements are one run after planning whose
+    settings' timed steps alternate.
     """
     profile, plan, measured = result.profile, result.plan, result.measured
     print(f"\n{'#':>3}  {'block':44s} {'mode':4s} {'t_e ms':>8s} {'IQR ms':>7s} {'pairs':>5s} "
@@ -38,7 +38,7 @@ def report_plan(result: PlanningResult, out: TextIO) -> None:
     predicted = {
         "plan": (plan.predicted_step_time_s, plan.predicted_peak_bytes),
         "baseline-M": (profile.step_time_M_s, profile.m_o_bytes),
-        "baseline-C": (profile.step_time_M_s - sum_te, profile.m_o_bytes + sum_m),
+        "baseline-C": (profile.step_time_M_s - profile.saved_time_s(sum_te), profile.m_o_bytes + sum_m),
     }
     print(f"\n{'':12s} {'pred step s':>12s} {'meas step s':>12s} {'error':>7s} {'pred peak':>11s} "
           f"{'meas peak':>11s}  budget {format_bytes(budget)}", file=out)
@@ -53,12 +53,20 @@ def report_plan(result: PlanningResult, out: TextIO) -> None:
         error = f"{pt / mt - 1:+7.1%}" if mt > 0 and not math.isnan(mt) else f"{'-':>7s}"
         print(f"{name:12s} {pt:12.4f} {mt:12.4f} {error} {format_bytes(pp):>11s} {format_bytes(mp):>11s}  {fits}",
               file=out)
+    if "plan" in measured and "baseline-M" in measured:
+        saved = profile.saved_time_s(sum(b.t_e_s for b in profile.blocks if plan.modes[b.name] == "C"))
+        from_run = measured["baseline-M"].step_time_s - saved
+        drift = profile.step_time_M_s / measured["baseline-M"].step_time_s - 1
+        print(f"\ncheck: this run's baseline-M minus what the plan saves {from_run:.4f} s "
+              f"({from_run / measured['plan'].step_time_s - 1:+.1%} of the plan's measured step); baseline-M "
+              f"moved {drift:+.1%} between profiling and measuring", file=out)
     if "plan" in measured:
         plain = measured["baseline-C"].peak_bytes if "baseline-C" in measured else profile.peak_C_bytes
         print("\n" + format_step_memory(profile.batch_size, plan.modes, measured["plan"].peak_bytes, plain), file=out)
     if profile.step_time_C_s is not None:
+        scale = "" if profile.t_e_scale is None else f": predicted savings are t_e x {profile.t_e_scale:.3f}"
         print(f"\ncheck: sum of t_e {sum_te:.4f} s; profiled baseline-M - baseline-C "
-              f"{profile.step_time_M_s - profile.step_time_C_s:.4f} s", file=out)
+              f"{profile.step_time_M_s - profile.step_time_C_s:.4f} s{scale}", file=out)
     if profile.peak_C_bytes is not None:
         print(f"check: m_o + sum(m_i) {format_bytes(profile.m_o_bytes + sum_m)} bounds the profiled "
               f"baseline-C peak {format_bytes(profile.peak_C_bytes)}", file=out)

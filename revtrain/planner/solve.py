@@ -6,7 +6,8 @@ chosen means **C-mode**, its **value** is ``t_e`` (the seconds per step C-mode s
 **weight** ``m`` (the bytes C-mode keeps) and the **capacity** ``budget - m_o``. The solver
 maximises the time saved while the predicted peak ``m_o + sum(m over C-mode blocks)`` stays
 within the budget, in exact bytes; the predicted step time is ``baseline-M step - sum(t_e over
-C-mode blocks)``.
+C-mode blocks)``, the sum scaled by the profile's ``t_e_scale`` where it has one (what a second of
+isolated ``t_e`` saves in a whole step, measured; it does not change which blocks are chosen).
 
 :func:`refine_plan` measures: the additive memory model over-estimates real peaks, so richer
 plans are tried and kept when their measured peak still fits (docs/planner.md, "Refinement").
@@ -81,7 +82,7 @@ def make_plan(
         modes={b.name: ("C" if i in chosen else "M") for i, b in enumerate(profile.blocks)},
         budget_bytes=budget,
         granularity=sol.granularity,
-        predicted_step_time_s=profile.step_time_M_s - sol.total_value,
+        predicted_step_time_s=profile.step_time_M_s - profile.saved_time_s(sol.total_value),
         predicted_peak_bytes=peak,
         model=profile.model,
         batch_size=profile.batch_size,

@@ -22,7 +22,9 @@ draws it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -195,7 +197,9 @@ def sweep_setup(
         )
     fits = _fit(fitted)
     names = [b.name for b in fitted[0].blocks]
-    points = [_predict(fits, names, fitted[0], b, budget_bytes, profiles.get(b)) for b in sizes]
+    scales = [p.t_e_scale for p in fitted if p.t_e_scale is not None]
+    template = dataclasses.replace(fitted[0], t_e_scale=statistics.median(scales) if scales else None)
+    points = [_predict(fits, names, template, b, budget_bytes, profiles.get(b)) for b in sizes]
 
     ranked = sorted((p for p in points if p.feasible), key=lambda p: p.predicted_time_per_sample_s or math.inf)
     for p in ranked[: max(0, confirm)]:
@@ -333,6 +337,7 @@ def _predict(
         fixed_bytes=min(template.fixed_bytes or 0, m_o),
         step_time_M_s=step_m,
         peak_C_bytes=peak_c_fit,
+        t_e_scale=template.t_e_scale,
     )
     peak_c = peak_c_model if peak_c_fit is None else min(peak_c_model, peak_c_fit)
     point = SweepPoint(
@@ -343,7 +348,7 @@ def _predict(
         predicted_peak_bytes=None,
         baseline_M_step_time_s=step_m,
         baseline_M_peak_bytes=m_o,
-        baseline_C_step_time_s=max(0.0, step_m - sum(x.t_e_s for x in blocks)),
+        baseline_C_step_time_s=max(0.0, step_m - profile.saved_time_s(sum(x.t_e_s for x in blocks))),
         baseline_C_peak_bytes=peak_c,
         baseline_C_fits=peak_c <= budget,
     )

@@ -314,3 +314,16 @@ def test_max_batch_size_is_the_largest_that_fits_the_linear_model(m_o, fixed_fra
         assert profile.m_o_at(b) <= budget
     assert profile.m_o_at(b + 1) > budget
     assert profile.m_o_at(batch_size) == m_o
+
+
+def test_t_e_scale_turns_isolated_t_e_into_whole_step_savings_without_changing_the_choice():
+    plain = toy_profile()
+    scaled = toy_profile(t_e_scale=0.6)
+    for extra in (3 * MiB, 17 * MiB, 30 * MiB):
+        a, b = make_plan(plain, plain.m_o_bytes + extra), make_plan(scaled, scaled.m_o_bytes + extra)
+        assert a.modes == b.modes  # the knapsack's values all scale alike
+        saved = sum(blk.t_e_s for blk in plain.blocks if a.modes[blk.name] == "C")
+        assert b.predicted_step_time_s == pytest.approx(scaled.step_time_M_s - 0.6 * saved, rel=1e-12)
+    assert Profile.from_json(scaled.to_json()).t_e_scale == 0.6
+    with pytest.raises(ValueError, match="t_e_scale must be >= 0"):
+        toy_profile(t_e_scale=-0.1)

@@ -113,7 +113,7 @@ def test_a_model_on_two_devices_is_refused():
 
 def test_alternating_measurement_gives_each_setting_its_own_peak(tiny_profiled):
     model, batch, profile = tiny_profiled
-    both = measure(model, batch, {"M": "M", "C": "C"}, repeats=2, warmup=1)
+    both = measure(model, batch, {"M": "M", "C": "C"}, repeats=2, max_repeats=2, warmup=1)
     assert both["M"].peak_bytes == profile.m_o_bytes
     assert both["C"].peak_bytes == profile.peak_C_bytes
     assert len(both["M"].times_s) == len(both["C"].times_s) == 2

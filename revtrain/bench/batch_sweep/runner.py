@@ -198,7 +198,7 @@ def _setting(
     run_m_step: float,
 ) -> SettingResult:
     c = {n for n, mode in modes.items() if mode == "C"}
-    saved = sum(blk.t_e_s for blk in profile.blocks if blk.name in c and blk.t_e_s > 0)
+    saved = profile.saved_time_s(sum(blk.t_e_s for blk in profile.blocks if blk.name in c and blk.t_e_s > 0))
     additive = profile.m_o_bytes + sum(blk.m_bytes for blk in profile.blocks if blk.name in c)
     m = steps[name]
     return SettingResult(
