@@ -105,8 +105,9 @@ def refine_plan(
     kept, or in the optimizer step), so a plan's real peak is often well below the model's.
     This bisects the knapsack's capacity between ``budget - m_o`` (the plan as solved) and the
     bytes of every block worth switching, solving at each capacity and *measuring* the plan's
-    peak on a real step; a plan is kept only if its measured peak fits the budget and it is
-    predicted faster. The returned plan's ``predicted_peak_bytes`` is then that measured peak.
+    peak on a real step; a plan is kept only if its measured peak fits the budget and it saves
+    more ``t_e`` (is predicted faster). The returned plan's ``predicted_peak_bytes`` is then that
+    measured peak.
 
     Args:
         setup: The prepared model and batch ``profile`` was measured on.
@@ -136,6 +137,11 @@ def refine_plan(
                          f"{format_bytes(peaks[key])} ({fits})")
         return peaks[key]
 
+    t_e = {b.name: b.t_e_s for b in worth}
+
+    def value(candidate: Plan) -> float:  # the knapsack's objective: t_e saved, whatever t_e_scale
+        return sum(t for name, t in t_e.items() if candidate.modes[name] == "C")
+
     best = plan
     for _ in range(steps):
         mid = (lo + hi) // 2
@@ -148,7 +154,7 @@ def refine_plan(
         peak = peak_of(candidate)
         if peak <= budget:
             lo = mid
-            if candidate.predicted_step_time_s < best.predicted_step_time_s:
+            if value(candidate) > value(best):
                 best = dataclasses.replace(candidate, budget_bytes=budget, predicted_peak_bytes=peak)
         else:
             hi = mid
