@@ -105,8 +105,9 @@ def _markdown(result: PlannerBenchResult, meta: dict, figures: list[Path]) -> st
         "## Summary", "", *summary_lines(result), "",
         "## Predicted vs measured", "",
         ("Predicted before the measurement, from each batch size's own profile. Step time: baseline-M's "
-        "profiled step − Σt_e over C-mode blocks; 'pred. from this run's M' starts from this "
-        "measurement's baseline-M instead (the t_e model's error alone). Peak: what the planner "
+        "profiled step − t_e_scale × Σt_e over C-mode blocks (t_e_scale = the profile's measured "
+        "(baseline-M − baseline-C) ÷ Σt_e, per batch size in the JSON); 'pred. from this run's M' starts "
+        "from this measurement's baseline-M instead (the t_e model's error alone). Peak: what the planner "
         "reports (`plan.predicted_peak_bytes`: for a refined plan the peak measured while refining, "
         "for a solved plan the additive model or the measured baseline-C peak if that fits); "
         "additive model: m_o + Σm_i over C-mode blocks. Error = (predicted − measured) / measured."),
