@@ -37,8 +37,9 @@ from torch.utils.checkpoint import checkpoint
 
 from revtrain.bench.peers import PEERS, build_peer, peer_status
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes
-from revtrain.device import resolve_device
+from revtrain.device import float_dtype, resolve_device
 from revtrain.memory import format_bytes, track_peak_memory
+from revtrain.timing import iqr
 
 __all__ = [
     "METHODS",
@@ -101,7 +102,7 @@ class StackBenchConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):  # accept torch.float32 as well as "float32"
-            self.dtype = str(self.dtype).removeprefix("torch.")
+            self.dtype = str(float_dtype(self.dtype)).removeprefix("torch.")
         for name in ("batch", "channels", "size", "repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -129,9 +130,7 @@ class StackBenchConfig:
         missing = [problem for m in self.methods if m in PEERS and (problem := peer_status(m))]
         if missing:
             raise ValueError("; ".join(missing))
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must name a floating-point torch dtype, got {self.dtype!r}")
+        float_dtype(self.dtype)
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer or None, got {self.threads!r}")
         if not self.grad_tolerance > 0:
@@ -141,7 +140,7 @@ class StackBenchConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """``dtype`` as a :class:`torch.dtype`."""
-        return getattr(torch, self.dtype)
+        return float_dtype(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for results files."""
@@ -317,16 +316,6 @@ def _rel_err(got: list[Tensor], want: list[Tensor]) -> float:
     return (diff / norm) ** 0.5 if norm > 0 else diff**0.5
 
 
-# ----------------------------------------------------------------------------- statistics
-
-
-def _iqr(values: Sequence[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q3 - q1
-
-
 # ----------------------------------------------------------------------------- the run
 
 
@@ -420,7 +409,7 @@ def _measure_depth(
                 depth=depth,
                 method=method,
                 time_median_s=median,
-                time_iqr_s=_iqr(ts),
+                time_iqr_s=iqr(ts),
                 time_min_s=min(ts),
                 time_ratio=median / plain_wall,
                 time_ratio_paired=statistics.median(t / p for t, p in zip(ts, wall["plain"])),

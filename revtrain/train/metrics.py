@@ -171,32 +171,26 @@ def measure_step_memory(
     autocast: Callable[[], AbstractContextManager[Any]],
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> StepMemory:
-    """Measure one forward + backward on ``batch`` in ``modes`` and with all blocks in C-mode.
+    """Measure the step memory of one training step on ``batch`` in ``modes``, and with every
+    block in C-mode (plain backprop).
 
-    Each measurement runs on a deep copy of ``model`` (gradients, batch-norm statistics and
-    modes of ``model`` are untouched) and the random generators are restored afterwards, so the
-    run's results do not depend on whether this was called. Parameters and their copies exist
-    before the tracked region, so the peaks count activations, gradients and the backward's
-    transients: what a step adds on top of the model.
+    Step memory has one definition, the planner's (:mod:`revtrain.planner.measure`), and is what
+    ``revtrain plan`` and the benchmarks print too: the peak tensor bytes of forward, loss,
+    backward and an SGD-with-momentum step, including what is live when the step starts (the
+    parameters, buffers, optimizer state and the batch), after one warm-up step that creates the
+    optimizer state (``make_optimizer(params)``: the run's optimizer; default SGD with momentum).
+    The model is measured in place and put back as it was (weights, batch-norm
+    statistics, gradients, modes and the random generators), so the run's results do not depend
+    on whether this was called.
     """
-    x, y = batch[0].to(device), batch[1].to(device)
-    rng = capture_rng_state()
-    peaks: dict[str, int] = {}
-    method = ""
-    try:
-        for label, assignment in (("run", dict(modes)), ("plain", "C")):
-            replica = copy.deepcopy(model).train()
-            for p in replica.parameters():
-                p.grad = None
-            set_modes(replica, assignment)
-            with track_peak_memory(device) as mem:
-                with autocast():
-                    loss = loss_fn(replica(x), y)
-                loss.backward()
-                del loss
-            peaks[label], method = mem.peak_bytes, mem.method
-            del replica
-    finally:
-        restore_rng_state(rng)
-    return StepMemory(peaks["run"], peaks["plain"], int(x.shape[0]), modes, method)
+    from revtrain.planner.measure import measure_steps  # the planner's measurement, not a copy
+    from revtrain.planner.setup import prepare
+
+    with prepare(model, batch, device=device, repeats=0, warmup=1, autocast=autocast, loss_fn=loss_fn,
+                 make_optimizer=make_optimizer) as setup:
+        steps = measure_steps(setup, {"run": dict(modes) or None, "plain": "C"})
+        batch_size = setup.batch_size
+    run, plain = steps["run"], steps["plain"]
+    return StepMemory(run.peak_bytes, plain.peak_bytes, batch_size, modes, run.method)

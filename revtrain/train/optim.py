@@ -8,8 +8,9 @@ decaying a BatchNorm scale or a bias fights the normalisation rather than regula
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,6 +75,20 @@ def build_optimizer(
     if kind != "sgd":
         raise ValueError(f"unknown optimizer {kind!r}; use 'sgd' or 'adamw'")
     return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
+
+
+def optimizer_factory(config: Any) -> Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]:
+    """``make_optimizer(params)`` building the run's optimizer (kind and settings of a
+    :class:`~revtrain.train.TrainConfig`) over plain parameters: what the planner and the memory
+    report need, since the optimizer's state counts in a step's peak."""
+
+    def make_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+        if config.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=config.lr, betas=ADAMW_BETAS, weight_decay=config.weight_decay)
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
+                               weight_decay=config.weight_decay)
+
+    return make_optimizer
 
 
 @dataclass(frozen=True, kw_only=True)

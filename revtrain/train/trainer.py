@@ -50,7 +50,13 @@ from revtrain.train.files import atomic_write_text
 from revtrain.train.interrupts import StopSignals, TrainingInterrupted
 from revtrain.train.memory_strategy import apply_memory_strategy
 from revtrain.train.metrics import EpochStats, MetricsWriter, live_memory, measure_step_memory
-from revtrain.train.optim import LRSchedule, apply_hyperparameters, build_optimizer, build_scheduler
+from revtrain.train.optim import (
+    LRSchedule,
+    apply_hyperparameters,
+    build_optimizer,
+    build_scheduler,
+    optimizer_factory,
+)
 from revtrain.train.resume import ResolvedRun, resolve_run
 from revtrain.train.runs import RunFolder
 from revtrain.train.state import Progress, TrainingState
@@ -461,7 +467,7 @@ class Trainer:
             batch = self.task.example_batch(self.input_spec, min(self.config.batch_size, self.data_info.train_size),
                                             seed=self.config.seed)
             report = measure_step_memory(self.model, batch, get_modes(self.model), self.device, self._autocast,
-                                         loss_fn=self.task.loss)
+                                         loss_fn=self.task.loss, make_optimizer=optimizer_factory(self.config))
             summary.update(report.to_dict())
             blocks = len(report.modes)
             modes = (f"{summary['blocks_in_M']} M / {summary['blocks_in_C']} C of {blocks} reversible blocks"
