@@ -212,16 +212,28 @@ def _saved(ctx: Any) -> tuple[Tensor, ...]:
             raise
         raise ReconstructionError(_MODIFIED_OUTPUT) from err
     holders = kept_tensors(ctx.kept_refs)
+    if not holders:
+        return saved
     for k, holder in enumerate(holders):
-        if holder is not None and holder.modified():
-            if k < ctx.n_outputs:
-                raise ReconstructionError(_MODIFIED_OUTPUT)
-            raise ReconstructionError(
-                "a tensor passed to an M-mode reversible block as an extra argument for F and G "
-                "was modified in place before backward, so the rebuild cannot replay it; pass a "
-                "copy (mask.clone()) or modify it out of place"
-            )
+        if holder is None or not (holder.modified() or _alive_and_changed(ctx, k, holder)):
+            continue
+        if k < ctx.n_outputs:
+            raise ReconstructionError(_MODIFIED_OUTPUT)
+        raise ReconstructionError(
+            "a tensor passed to an M-mode reversible block as an extra argument for F and G "
+            "was modified in place before backward, so the rebuild cannot replay it; pass a "
+            "copy (mask.clone()) or modify it out of place"
+        )
     return saved
+
+
+def _alive_and_changed(ctx: Any, k: int, holder: Any) -> bool:
+    """Version check through the caller's own tensor when outer hooks hold the saved copy."""
+    if holder.alias is not None or holder.dropped:
+        return False
+    refs, versions = ctx.input_refs, ctx.input_versions
+    t = refs[k]()
+    return t is not None and t._version != versions[k]
 
 
 _MODIFIED_OUTPUT = (
@@ -237,11 +249,9 @@ def _output_state(ctx: Any, saved: Sequence[Tensor]) -> State:
     run: _Run = ctx.run
     if ctx.handoff is not None:
         return ctx.handoff
-    if ctx.kept_refs is None:  # saved without hooks: never taken over
-        return run.state_of([t.detach() for t in saved[: ctx.n_outputs]])
     holders = kept_tensors(ctx.kept_refs)[: ctx.n_outputs]
-    if holders and all(h is not None and h.tensor is not None for h in holders):
-        return run.state_of([h.tensor for h in holders])  # type: ignore[union-attr,misc]
+    if ctx.kept_refs is None or (holders and all(h is not None and not h.dropped for h in holders)):
+        return run.state_of([t.detach() for t in saved[: ctx.n_outputs]])
     alive = [ref() for ref in getattr(ctx, "output_refs", ())]
     if alive and all(t is not None and t._version == v for t, v in zip(alive, ctx.output_versions)):
         return run.state_of([t.detach() for t in alive])  # type: ignore[union-attr]
@@ -252,7 +262,8 @@ def _output_state(ctx: Any, saved: Sequence[Tensor]) -> State:
         "the output of an M-mode run was taken over by the M-mode layer it fed (so that chained "
         "blocks keep one output), but that layer is no longer part of any graph and nothing "
         "else kept the output. Keep a reference to the output of the earlier block until "
-        "backward, or put the blocks in one ReversibleSequence"
+        "backward, or pass the later block a copy (block(y.clone())) so it does not take the "
+        "output over"
     )
 
 
@@ -277,14 +288,16 @@ def _hand_over(ctx: Any, inputs: State) -> None:
 def _rebuild_input(node: Any) -> State:
     """The input state of a run, rebuilt from its output without gradients (fallback path)."""
     run: _Run = node.run
-    holders = kept_tensors(node.kept_refs)[node.n_outputs :]
-    if any(h is None or h.tensor is None for h in holders):
+    try:
+        saved = node.saved_tensors
+    except RuntimeError as err:
         raise ReconstructionError(
             "cannot rebuild the input of an M-mode run whose graph was already freed by a "
             "backward pass; pass retain_graph=True to the earlier backward"
-        )
-    extra = run.extra.with_tensors([h.tensor for h in holders]) if run.n_extra else run.extra  # type: ignore[union-attr,misc]
-    ys = _output_state(node, [])
+        ) from err
+    extra_in = saved[node.n_outputs :]
+    extra = run.extra.with_tensors([t.detach() for t in extra_in]) if run.n_extra else run.extra
+    ys = _output_state(node, saved)
     with torch.no_grad(), node.autocast.context():
         for i in reversed(range(len(run.layers))):
             with _as_in_forward(run, i):
@@ -332,7 +345,7 @@ def run_reversible(
     outputs = out if isinstance(out, tuple) else (out,)
     node = outputs[0].grad_fn
     if isinstance(node, _ReversibleRun._backward_cls):
-        _register(node, outputs, holders, xs, source)
+        _register(node, outputs, holders, xs, extra, source)
     return out
 
 
@@ -353,10 +366,16 @@ def run_spec(
     )
 
 
-def _register(node: Any, outputs: Sequence[Tensor], holders: list | None, xs: State, source: Any) -> None:
+def _register(
+    node: Any, outputs: Sequence[Tensor], holders: list | None, xs: State, extra: ExtraArgs, source: Any
+) -> None:
     node.kept_refs = [weakref.ref(h) for h in holders] if holders is not None else None
     node.output_refs = [weakref.ref(t) for t in outputs]
     node.output_versions = [t._version for t in outputs]
+    # What each saved tensor was (outputs, then extra arguments), for version checks when the
+    # caller's own saved-tensor hooks hold the copies.
+    node.input_refs = node.output_refs + [weakref.ref(t) for t in extra.tensors]
+    node.input_versions = node.output_versions + [t._version for t in extra.tensors]
     if source is None or holders is None:
         return
     producer = find_producer(source, _ReversibleRun._backward_cls)
@@ -368,5 +387,5 @@ def _register(node: Any, outputs: Sequence[Tensor], holders: list | None, xs: St
     producer.taker = weakref.ref(node)
     for holder in kept_tensors(producer.kept_refs)[: producer.n_outputs]:
         if holder is not None:
-            holder.tensor = None  # the taker rebuilds it in backward
+            holder.drop()  # the taker rebuilds it in backward
 

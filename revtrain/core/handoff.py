@@ -21,7 +21,8 @@ The producer must still get its output when the taker cannot hand it over. In or
 Outputs are kept through saved-tensor hooks that wrap each saved tensor in a :class:`Kept` holder:
 autograd owns the holder as it owns any saved tensor (frees it after a backward without
 ``retain_graph``, refuses a second backward), the run's node holds only a weak reference, and a
-taker can empty it. Version counters are checked by hand (autograd does not check tensors that
+taker can empty it. Saved-tensor hooks of the caller (offloading, memory profilers) still pack
+every saved tensor. Version counters are checked by hand (autograd does not check tensors that
 went through hooks): modifying a kept output in place is still refused.
 """
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,37 +42,65 @@ _EMPTY = torch.empty(0)
 
 
 class Kept:
-    """A saved tensor that its owner's taker may drop; records the version it was saved at."""
+    """A saved tensor that its owner's taker may drop.
 
-    __slots__ = ("tensor", "version", "__weakref__")
+    Holds what the saved-tensor hooks around the call packed: the tensor itself, or what the
+    caller's own hooks made of it when some were active (``torch.autograd.graph.save_on_cpu``,
+    a memory profiler): those still see and pack every tensor an M-mode run saves.
+    """
 
-    def __init__(self, tensor: Tensor) -> None:
-        self.tensor: Tensor | None = tensor
+    __slots__ = ("packed", "alias", "version", "outer_unpack", "__weakref__")
+
+    def __init__(self, tensor: Tensor, outer: tuple[Callable[..., Any], Callable[..., Any]] | None) -> None:
         self.version = tensor._version
+        if outer is None:
+            self.packed: Any = tensor
+            self.alias: Tensor | None = tensor  # shares the version counter of the saved tensor
+            self.outer_unpack = None
+        else:
+            self.packed = outer[0](tensor)
+            self.alias = None  # the caller's hooks own it (it may live on another device)
+            self.outer_unpack = outer[1]
+
+    @property
+    def dropped(self) -> bool:
+        return self.packed is None
+
+    def drop(self) -> None:
+        self.packed = None
+        self.alias = None
 
     def modified(self) -> bool:
-        return self.tensor is not None and self.tensor._version != self.version
+        """Whether the saved tensor was changed in place since (known only without outer hooks)."""
+        return self.alias is not None and self.alias._version != self.version
+
+    def value(self) -> Tensor:
+        if self.packed is None:
+            return _EMPTY
+        return self.outer_unpack(self.packed) if self.outer_unpack is not None else self.packed
 
 
 @contextlib.contextmanager
 def keep_saved() -> Iterator[list[Kept] | None]:
     """Wrap every tensor saved in the body in a :class:`Kept` holder; yield the holders.
 
-    Yields None (and saves plainly) where saved-tensor hooks are disabled by the caller (some
-    compilers do that); runs saved that way are never taken over.
+    Hooks the caller installed keep working: each holder packs its tensor with them. Yields
+    None (and saves plainly) where saved-tensor hooks are disabled (some compilers do that);
+    runs saved that way are never taken over.
     """
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():
         yield None
         return
+    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
     holders: list[Kept] = []
 
     def pack(t: Tensor) -> Kept:
-        holder = Kept(t)
+        holder = Kept(t, outer)
         holders.append(holder)
         return holder
 
     def unpack(holder: Kept) -> Tensor:
-        return holder.tensor if holder.tensor is not None else _EMPTY
+        return holder.value()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield holders

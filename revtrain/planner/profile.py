@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from revtrain.core import ReversibleBlock, reversible_blocks, set_modes, split_halves
+from revtrain.core import ReversibleBlock, reversible_blocks, set_modes
 from revtrain.memory import track_peak_memory
 from revtrain.planner.budget import available_memory_bytes
 from revtrain.planner.measure import (
@@ -285,7 +285,7 @@ def time_blocks(
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             stop = start()
-            y1, y2 = block.forward(z1, z2)  # not __call__: that would re-enter this pre-hook
+            y1, y2 = block.forward((z1, z2))  # not __call__: that would re-enter this pre-hook
             t_fwd = stop()
             grads = (torch.ones_like(y1), torch.ones_like(y2))
             if dev.type == "cuda":
@@ -296,7 +296,7 @@ def time_blocks(
         return t_fwd, t_bwd
 
     def pre(block: ReversibleBlock, args: tuple) -> None:
-        x1, x2 = args if len(args) == 2 else split_halves(args[0], block.split_dim)
+        x1, x2 = block.to_state(args[0])  # a tensor (split in halves) or a pair (x1, x2)
         rows = []
         for k in range(warmup + repeats):
             fm, bm = run(block, x1, x2, "M")

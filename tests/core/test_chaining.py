@@ -190,3 +190,35 @@ def test_lost_output_is_a_clear_error():
     del y
     with pytest.raises(ReconstructionError, match="taken over.*keep a reference|Keep a reference"):
         loss.backward()
+
+
+# -- the caller's own saved-tensor hooks ------------------------------------------------------
+
+
+def test_callers_saved_tensor_hooks_see_what_m_mode_keeps():
+    """Offloading and memory profilers pack every saved tensor, M-mode's kept output too."""
+    model = _pair()
+    packed: list[tuple[int, ...]] = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = _loop(model, _x())
+    assert (2, 8, 5, 5) in packed  # the run's output (the block's own tensors are not saved)
+    y.square().sum().backward()
+    twin = plain_twin(model)
+    for p in twin.parameters():
+        p.grad = None
+    _loop(twin, _x()).square().sum().backward()
+    assert_grads_close(grads(model), grads(twin), REL)
+
+
+def test_in_place_edit_is_caught_under_callers_hooks_too():
+    model = _pair()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        y = model[0](_x())
+    y.mul_(2)
+    with pytest.raises(ReconstructionError, match="modified in place"):
+        y.sum().backward()
