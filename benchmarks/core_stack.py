@@ -28,6 +28,7 @@ from revtrain.bench import (
     run_stack_benchmark,
 )
 from revtrain.bench.machine import busy_machine_note
+from revtrain.bench.stack import EXTRA_METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--depths", type=int, nargs="+", default=list(defaults.depths), help="blocks per stack"
     )
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
     parser.add_argument(
         "--repeats", type=int, default=defaults.repeats, help="timed steps per method and depth"
     )

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
-from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint, norms
+from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint, layout_of, norms
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.replay import AutocastState, ModuleTensors, no_running_stat_updates
 from revtrain.core.step import ReversibleStep, State, owner_module
@@ -92,9 +92,11 @@ class _ReversibleRun(torch.autograd.Function):
         layers = run.layers
         records: list[Any] = []
         prints: list[Tensor | None] = []
+        layouts: list[Any] = []
         out_norms: list[Tensor | None] = []
         for i, layer in enumerate(layers):
-            prints.append(fingerprint(xs) if layer.check_reconstruction else None)
+            layouts.append(layout_of(xs) if layer.check_reconstruction else None)
+            prints.append(fingerprint(xs, layouts[-1]) if layer.check_reconstruction else None)
             xs, record = layer.step_forward(xs, extra)
             records.append(record)
             next_checks = i + 1 < len(layers) and layers[i + 1].check_reconstruction
@@ -106,6 +108,7 @@ class _ReversibleRun(torch.autograd.Function):
         ctx.run = run
         ctx.records = records
         ctx.prints = prints
+        ctx.layouts = layouts
         ctx.out_norms = out_norms
         ctx.autocast = AutocastState.capture(xs[0].device)
         ctx.set_materialize_grads(False)
@@ -162,7 +165,8 @@ class _ReversibleRun(torch.autograd.Function):
                     where = f"block {i} of a run of {n} M-mode blocks ({layer.describe()})"
                     checks.append(
                         RebuildCheck(
-                            layer, where, ctx.prints[i], fingerprint(result.inputs), ctx.out_norms[i],
+                            layer, where, ctx.prints[i], fingerprint(result.inputs, ctx.layouts[i]),
+                            ctx.out_norms[i],
                             getattr(layer, "output_names", None),
                         )
                     )

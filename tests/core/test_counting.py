@@ -60,9 +60,15 @@ def test_each_f_and_g_runs_twice_in_m_mode_once_in_c_mode(mode, calls_per_step):
 
 
 def test_m_mode_extra_flops_equal_one_forward_of_f_and_g():
-    """FLOPs(M step) - FLOPs(C step) == FLOPs of one forward of every F and G, exactly."""
+    """FLOPs(M step) - FLOPs(C step) == FLOPs of one forward of every F and G, exactly.
+
+    The rebuild check's random projections are matrix products too (about 2 per input value per
+    block, against ~600 for the 3x3 convolutions here); they are switched off to count F and G.
+    """
     torch.manual_seed(0)
     model = _stack(4)
+    for block in model:
+        block.check_reconstruction = False
     x = torch.randn(2, 8, 6, 6)
 
     def step_flops(mode: str) -> int:

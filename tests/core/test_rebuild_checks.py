@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from revtrain.core import ReversibleBlock, ReversibleSequence
-from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint
+from revtrain.core.checks import RebuildCheck, _as_slabs, check_rebuilds, fingerprint, layout_of
 from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 
 from .helpers import conv_fn, make_stack
@@ -150,7 +150,8 @@ def test_the_norm_alone_would_miss_it(kind):
     assert abs(rebuilt.norm() - x.norm()) / x.norm() < 1e-3
     block = ReversibleBlock(nn.Identity(), nn.Identity(), drift_action="raise")
     ones = torch.ones(1, dtype=torch.float64)
-    check = RebuildCheck(block, "a test block", fingerprint([x]), fingerprint([rebuilt]), ones)
+    layout = layout_of([x])
+    check = RebuildCheck(block, "a test block", fingerprint([x], layout), fingerprint([rebuilt], layout), ones)
     with pytest.raises(ReconstructionError, match="drifted"):
         check_rebuilds([check])
 
@@ -161,13 +162,20 @@ def test_no_alarm_without_error():
     block(torch.randn(4, 8, 5, 5, requires_grad=True)).square().sum().backward()
 
 
-def test_fingerprint_reads_views_without_copies_and_leaves_generators_alone():
-    x = torch.randn(4, 16, 6, 6)
-    x1, x2 = x.chunk(2, dim=1)
+@pytest.mark.parametrize("shape,dim", [((4, 16, 6, 6), 1), ((3, 7, 10), -1), ((5, 12), 1)])
+def test_fingerprint_reads_views_without_copies_and_leaves_generators_alone(shape, dim):
+    x = torch.randn(shape)
+    x1, x2 = x.chunk(2, dim=dim)
+    layout = layout_of((x1, x2))
+    for half, k in zip((x1, x2), layout):
+        assert _as_slabs(half, k).data_ptr() == half.data_ptr()  # a view of the half, not a copy
     rng = torch.get_rng_state()
-    prints = fingerprint((x1, x2))
+    prints = fingerprint((x1, x2), layout)
     assert torch.equal(rng, torch.get_rng_state())
-    torch.testing.assert_close(prints, fingerprint((x1.contiguous(), x2.contiguous())))
+    # A contiguous copy (what a rebuild returns) fingerprinted with the original's layout gives
+    # the same numbers, up to float32 products summed in another order.
+    copies = (x1.contiguous(), x2.contiguous())
+    torch.testing.assert_close(prints, fingerprint(copies, layout), rtol=1e-5, atol=1e-5)
 
 
 # -- non-finite values: the right culprit ----------------------------------------------------
@@ -196,3 +204,20 @@ def test_nan_from_the_forward_inside_a_run_names_the_block():
     seq = ReversibleSequence(layers)
     with pytest.raises(ReconstructionError, match=r"forward pass of block 1 of a run of 3.*F returned"):
         seq(torch.randn(3, 8, requires_grad=True)).sum().backward()
+
+
+@pytest.mark.parametrize("split_dim,shape", [(-1, (4, 7, 16)), (1, (4, 8, 5, 5)), (2, (3, 4, 6, 5))])
+def test_rebuilt_contiguous_halves_compare_with_strided_originals(split_dim, shape):
+    """The forward sees views split off the input, the rebuild returns fresh tensors: the
+    check must compare them as the same values whatever the split dimension."""
+    torch.manual_seed(0)
+    half = shape[split_dim] // 2
+    width = shape[-1] if split_dim != -1 else half
+
+    def fn():
+        return nn.Sequential(nn.Linear(width, width), nn.Tanh())
+
+    seq = _strict(ReversibleSequence([ReversibleBlock(fn(), fn(), split_dim=split_dim) for _ in range(3)]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReconstructionDriftWarning)
+        seq(torch.randn(shape, requires_grad=True)).square().sum().backward()
