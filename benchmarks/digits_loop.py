@@ -75,6 +75,8 @@ def train_digits(
             if on_step is not None:
                 on_step(step, model, batch)
             loss = loss_fn(model(batch[0]), batch[1])
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"the loss became {float(loss)} at step {step}; lower the learning rate")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -83,4 +85,4 @@ def train_digits(
     model.eval()
     with torch.no_grad():
         accuracy = float((model(test_x).argmax(1) == test_y).float().mean())
-    return DigitsRun(accuracy, float(loss), time.perf_counter() - start, step)
+    return DigitsRun(accuracy, float(loss.detach()), time.perf_counter() - start, step)

@@ -4,8 +4,9 @@ over training, with :func:`revtrain.train.grad_angle.gradient_angles`.
 1. ``revnet38`` on the digits (the default job's model and recipe, float32, M-mode), the angle
    measured every ``--every`` steps on the training batch about to be used.
 2. A deep float32 stack on the digits (stem conv to 16 channels, ``--depth`` coupling blocks of
-   Conv3x3 + BatchNorm + ReLU on 8 channels, pooling, linear head), additive and affine
-   couplings, and the exact coupling as the control (its angle must be 0).
+   Conv3x3 + BatchNorm (zero-initialised scale: each block starts as the identity) + ReLU on 8
+   channels, pooling, linear head; peak lr ``--deep-lr``),
+   additive and affine couplings, and the exact coupling as the control (its angle must be 0).
 
 Writes one PNG per run (angle and relative error per parameter group over the steps) and a
 markdown summary to ``results/``.
@@ -41,7 +42,9 @@ def deep_stack(depth: int, coupling: str) -> nn.Module:
     mult = 2 if coupling == "affine" else 1
 
     def fn() -> nn.Module:
-        return nn.Sequential(nn.Conv2d(8, 8 * mult, 3, padding=1, bias=False), nn.BatchNorm2d(8 * mult), nn.ReLU())
+        norm = nn.BatchNorm2d(8 * mult)
+        nn.init.zeros_(norm.weight)  # every block starts as the identity (64 affine scales of e^2 would overflow)
+        return nn.Sequential(nn.Conv2d(8, 8 * mult, 3, padding=1, bias=False), norm, nn.ReLU())
 
     return nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1),
@@ -52,7 +55,9 @@ def deep_stack(depth: int, coupling: str) -> nn.Module:
     )
 
 
-def run(name: str, model: nn.Module, *, epochs: int, every: int, seed: int, group_depth: int, out: Path) -> dict:
+def run(
+    name: str, model: nn.Module, *, epochs: int, every: int, seed: int, group_depth: int, out: Path, lr: float
+) -> dict:
     set_modes(model, "M")
     records: list[dict] = []
 
@@ -61,14 +66,19 @@ def run(name: str, model: nn.Module, *, epochs: int, every: int, seed: int, grou
             result = gradient_angles(m, batch, nn.functional.cross_entropy, group_depth=group_depth)
             records.append({"event": "grad_angle", "step": step, **result.to_record()})
 
-    trained = train_digits(model, seed=seed, epochs=epochs, on_step=monitor)
+    try:
+        trained = train_digits(model, seed=seed, epochs=epochs, on_step=monitor, lr=lr)
+        accuracy, steps, note = trained.test_accuracy, trained.steps, ""
+    except FloatingPointError as err:  # diverged: keep the angles measured until then
+        accuracy, steps, note = float("nan"), records[-1]["step"] if records else 0, str(err)
     png = plot_grad_angles(records, out.parent / f"{out.name}_{name}.png", title=f"{name}: stored vs rebuilt activations")
     overall = [r["groups"]["all"] for r in records]
     summary = {
         "run": name,
-        "steps": trained.steps,
+        "steps": steps,
         "measurements": len(records),
-        "test_accuracy": trained.test_accuracy,
+        "test_accuracy": accuracy,
+        "note": note,
         "angle_first_deg": overall[0]["angle_deg"],
         "angle_last_deg": overall[-1]["angle_deg"],
         "angle_max_deg": max(o["angle_deg"] for o in overall),
@@ -85,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=5, help="measure every this many steps")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--depth", type=int, default=64, help="blocks of the deep stack")
-    parser.add_argument("--deep-epochs", type=int, default=3)
+    parser.add_argument("--deep-epochs", type=int, default=5)
+    parser.add_argument("--deep-lr", type=float, default=0.02, help="peak lr of the deep stacks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "grad_angle")
     args = parser.parse_args(argv)
@@ -94,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     torch.manual_seed(args.seed)
     runs.append(run("revnet38-digits", create_model("revnet38", num_classes=10, in_channels=1),
-                    epochs=args.epochs, every=args.every, seed=args.seed, group_depth=2, out=args.out))
+                    epochs=args.epochs, every=args.every, seed=args.seed, group_depth=2, out=args.out, lr=0.1))
     for coupling in ("additive", "affine", "exact"):
         torch.manual_seed(args.seed)
         runs.append(run(f"deep{args.depth}-{coupling}", deep_stack(args.depth, coupling), epochs=args.deep_epochs,
-                        every=args.every, seed=args.seed, group_depth=1, out=args.out))
+                        every=args.every, seed=args.seed, group_depth=1, out=args.out, lr=args.deep_lr))
     after = machine_info(torch.device("cpu"))
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     lines = [
@@ -121,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['run']} | {r['steps']} | {r['angle_first_deg']:.3g} | {r['angle_last_deg']:.3g} | "
             f"{r['angle_max_deg']:.3g} | {r['rel_error_max']:.3g} | {r['test_accuracy']:.4f} | `{r['plot']}` |"
         )
+    lines += [f"- {r['run']}: {r['note']}" for r in runs if r["note"]]
     lines.append("")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     md = args.out.parent / f"{args.out.name}_cpu.md"

@@ -113,6 +113,9 @@ def _random_vectors(
     if cached is None:
         gen = torch.Generator().manual_seed(_SEED + 1_000_003 * length + 1009 * rows + a)
         u = torch.randn(ROW_VECTORS, length, generator=gen, dtype=torch.float64)
+        # An error that is the same along a row (a per-channel offset) is seen only through the
+        # sum of u; fix each sum at its typical size (±sqrt(L)) instead of leaving it to chance.
+        u = u - u.mean(dim=1, keepdim=True) + torch.tensor([[1.0], [-1.0]], dtype=torch.float64) / math.sqrt(length)
         s_a = torch.randn(a, _FOLD, generator=gen, dtype=torch.float64)
         s_r = torch.randn(rows, _FOLD, generator=gen, dtype=torch.float64)
         cached = tuple(t.to(device=device, dtype=dtype) for t in (u, s_a, s_r))  # type: ignore[assignment]
