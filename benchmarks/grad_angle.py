@@ -4,7 +4,7 @@ over training, with :func:`revtrain.train.grad_angle.gradient_angles`.
 1. ``revnet38`` on the digits (the default job's model and recipe, float32, M-mode), the angle
    measured every ``--every`` steps on the training batch about to be used.
 2. A deep float32 stack on the digits (stem conv to 16 channels, ``--depth`` coupling blocks of
-   Conv3x3 + BatchNorm (zero-initialised scale: each block starts as the identity) + ReLU on 8
+   ReLU + Conv3x3 + BatchNorm (zero-initialised scale: each block starts as the identity) on 8
    channels, pooling, linear head; peak lr ``--deep-lr``),
    additive and affine couplings, and the exact coupling as the control (its angle must be 0).
 
@@ -42,9 +42,11 @@ def deep_stack(depth: int, coupling: str) -> nn.Module:
     mult = 2 if coupling == "affine" else 1
 
     def fn() -> nn.Module:
+        # Pre-activation, last norm scaled to zero: every block starts as the identity (64
+        # affine scales of up to e^2 each would overflow float32 at initialisation).
         norm = nn.BatchNorm2d(8 * mult)
-        nn.init.zeros_(norm.weight)  # every block starts as the identity (64 affine scales of e^2 would overflow)
-        return nn.Sequential(nn.Conv2d(8, 8 * mult, 3, padding=1, bias=False), norm, nn.ReLU())
+        nn.init.zeros_(norm.weight)
+        return nn.Sequential(nn.ReLU(), nn.Conv2d(8, 8 * mult, 3, padding=1, bias=False), norm)
 
     return nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1),
@@ -96,10 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--depth", type=int, default=64, help="blocks of the deep stack")
     parser.add_argument("--deep-epochs", type=int, default=5)
-    parser.add_argument("--deep-lr", type=float, default=0.02, help="peak lr of the deep stacks")
+    parser.add_argument("--deep-lr", type=float, default=0.01, help="peak lr of the deep stacks")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="CPU threads (1: these small tensors run fastest alone; 2 threads on a shared machine stall)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "grad_angle")
     args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
     before = machine_info(torch.device("cpu"))
     start = time.perf_counter()
     runs = []

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Share of {args.trials} draws reported at drift_tolerance={TOLERANCE:g}, for an error of "
         "relative size δ = ‖e‖/‖x1‖ added to half x1 of a (32, 64, 32, 32) float32 input split "
-        "in halves (views). Each cell: new check (32 random projections) / old norm-only "
+        "in halves (views). Each cell: new check (64 random projections) / old norm-only "
         "check.",
         "",
         f"- command: `{command}`",

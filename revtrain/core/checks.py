@@ -8,7 +8,7 @@ A fingerprint of a tensor ``x`` is :data:`PROJECTIONS` random projections of it 
 of its norm, from one pass over the data. ``x`` is seen (as a view, no copy) as ``A × R`` rows
 of ``L`` contiguous values; one batched matrix product gives each row's projection onto two
 fixed random vectors ``u_1, u_2`` (``W = X u``, two numbers per row), and fixed random vectors
-across ``A`` and across ``R`` fold those into 2 × 4 × 4 numbers. Each projection is onto a
+across ``A`` (4) and across ``R`` (8) fold those into 2 × 4 × 8 numbers. Each projection is onto a
 rank-one random tensor ``s_A ⊗ s_R ⊗ u``, whose projection of an error ``E`` has mean square
 ``‖E‖²``;
 the root mean square of the differences over all projections estimates ``‖Δx‖`` in whatever
@@ -53,8 +53,8 @@ __all__ = [
 ROW_VECTORS = 2
 """Random vectors along the rows (both applied in one batched matrix product)."""
 
-PROJECTIONS = 32
-"""Random projections per tensor (``PROJECTIONS / ROW_VECTORS`` per row vector)."""
+PROJECTIONS = 64
+"""Random projections per tensor: 2 row vectors x 4 vectors across ``A`` x 8 across ``R``."""
 
 EXACT_NORM_ROWS = 64
 """Below this many rows the norm estimate is too rough: compute the norm exactly."""
@@ -64,7 +64,7 @@ FLOOR = 0.1
 
 _MAX_ROW = 4096
 _SEED = 0x5EED
-_FOLD = 4  # random vectors across each of the two row dimensions: 2 x 4 x 4 = 32 projections
+_FOLD_A, _FOLD_R = 4, 8  # random vectors across the two row dimensions: 2 x 4 x 8 = 64 projections
 _vectors: dict[tuple[int, int, int, torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor]] = {}
 
 Layout = tuple[int, ...]
@@ -112,15 +112,25 @@ def _random_vectors(
     cached = _vectors.get(key)
     if cached is None:
         gen = torch.Generator().manual_seed(_SEED + 1_000_003 * length + 1009 * rows + a)
-        u = torch.randn(ROW_VECTORS, length, generator=gen, dtype=torch.float64)
-        # An error that is the same along a row (a per-channel offset) is seen only through the
-        # sum of u; fix each sum at its typical size (±sqrt(L)) instead of leaving it to chance.
-        u = u - u.mean(dim=1, keepdim=True) + torch.tensor([[1.0], [-1.0]], dtype=torch.float64) / math.sqrt(length)
-        s_a = torch.randn(a, _FOLD, generator=gen, dtype=torch.float64)
-        s_r = torch.randn(rows, _FOLD, generator=gen, dtype=torch.float64)
+        u = _typical_sums(torch.randn(length, ROW_VECTORS, generator=gen, dtype=torch.float64)).T
+        s_a = _typical_sums(torch.randn(a, _FOLD_A, generator=gen, dtype=torch.float64))
+        s_r = _typical_sums(torch.randn(rows, _FOLD_R, generator=gen, dtype=torch.float64))
         cached = tuple(t.to(device=device, dtype=dtype) for t in (u, s_a, s_r))  # type: ignore[assignment]
         _vectors[key] = cached  # type: ignore[assignment]
     return cached  # type: ignore[return-value]
+
+
+def _typical_sums(vectors: Tensor) -> Tensor:
+    """Random column vectors whose sums are ``±sqrt(n)``, their typical size.
+
+    An error that is the same all along one axis (a per-channel offset: the same in every
+    position of a row, and in every sample) reaches a projection only through the sum of the
+    random vector along that axis. Left to chance, a sum near zero would hide such errors for
+    every tensor of that shape; fixed at its typical size, they are seen like any other.
+    """
+    n = vectors.shape[0]
+    signs = torch.tensor([(-1.0) ** j for j in range(vectors.shape[1])], dtype=vectors.dtype)
+    return vectors - vectors.mean(dim=0, keepdim=True) + signs / math.sqrt(n)
 
 
 def _fingerprint_one(x: Tensor, k: int) -> Tensor:
@@ -133,7 +143,7 @@ def _fingerprint_one(x: Tensor, k: int) -> Tensor:
     a, rows, length = slabs.shape
     u, s_a, s_r = _random_vectors(a, rows, length, slabs.dtype, slabs.device)
     w = torch.matmul(u, slabs.transpose(1, 2))  # (A, 2, R): every row against both vectors
-    # fold the rows with random vectors across A and across R: 2 x 4 x 4 projections
+    # fold the rows with random vectors across A and across R: 2 x 4 x 8 projections
     projections = torch.einsum("akr,ai,rj->kij", w, s_a, s_r)
     if a * rows < EXACT_NORM_ROWS:
         norm = torch.linalg.vector_norm(slabs)
