@@ -31,6 +31,7 @@ from revtrain.bench import (
 )
 from revtrain.bench.machine import busy_machine_note
 from revtrain.bench.peers import installed_peers
+from revtrain.bench.stack import EXTRA_METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,8 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--depths", type=int, nargs="+", default=list(defaults.depths), help="blocks per stack"
     )
-    parser.add_argument("--methods", nargs="+", default=list(OURS), choices=METHODS,
-                        help="methods to run (peers: " + ", ".join(PEERS) + ")")
+    parser.add_argument("--methods", nargs="+", default=list(OURS), choices=METHODS + EXTRA_METHODS,
+                        help="methods to run (peers: " + ", ".join(PEERS) + "; M variants: "
+                        + ", ".join(EXTRA_METHODS) + ")")
     parser.add_argument("--with-peers", action="store_true",
                         help="also run every installed peer library (revlib, memcnn, reformer, revtorch)")
     parser.add_argument(

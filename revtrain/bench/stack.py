@@ -43,6 +43,7 @@ from revtrain.timing import iqr
 
 __all__ = [
     "METHODS",
+    "EXTRA_METHODS",
     "StackBenchConfig",
     "StackBenchRow",
     "GradientMismatchError",
@@ -56,6 +57,10 @@ OURS: tuple[str, ...] = ("plain", "M", "C", "checkpoint")
 
 METHODS: tuple[str, ...] = OURS + PEERS
 """Every method the stack benchmark knows: ours, then the peer libraries (when installed)."""
+
+EXTRA_METHODS: tuple[str, ...] = ("M-nocheck", "M-exact", "M-chain")
+"""Variants of M-mode measured on request: without the rebuild check, with exact (fixed-point)
+couplings, and as standalone blocks chained on pairs instead of one ``ReversibleSequence``."""
 
 
 class GradientMismatchError(RuntimeError):
@@ -118,9 +123,9 @@ class StackBenchConfig:
         if not self.depths or any(not isinstance(d, int) or d < 1 for d in self.depths):
             raise ValueError(f"depths must be positive integers, got {self.depths!r}")
         self.methods = tuple(self.methods)
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if m not in METHODS + EXTRA_METHODS]
         if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+            raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS + EXTRA_METHODS)}")
         if "plain" not in self.methods:
             raise ValueError(
                 "methods must include 'plain': every ratio in the table is taken against it"
@@ -256,6 +261,12 @@ def _build_models(depth: int, config: StackBenchConfig, device: torch.device) ->
     for peer in PEERS:
         if peer in config.methods:
             models[peer] = build_peer(peer, fgs)
+    if "M-nocheck" in config.methods:
+        models["M-nocheck"] = ReversibleSequence([ReversibleBlock(f, g, check_reconstruction=False) for f, g in fgs])
+    if "M-exact" in config.methods:
+        models["M-exact"] = ReversibleSequence([ReversibleBlock(f, g, coupling="exact") for f, g in fgs])
+    if "M-chain" in config.methods:
+        models["M-chain"] = _PlainStack(nn.Sequential(*(ReversibleBlock(f, g) for f, g in fgs)))
     for model in models.values():
         model.to(device=device, dtype=config.torch_dtype).train()
     return {m: models[m] for m in config.methods}

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from revtrain.core import Invertible, Mode, StepResult
 from revtrain.core.step import Grads, State, autograd_grads
+from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.errors import ReversibilityError
 
 __all__ = ["ABNRecord", "InPlaceABN", "BatchNormLeakyReLU"]
@@ -72,8 +73,8 @@ class InPlaceABN(Invertible):
             or rebuild the input and run the forward once more under autograd (False; slower,
             kept to compare).
         mode: ``"M"`` or ``"C"``; settable any time via ``layer.mode``.
-        check_reconstruction: Compare the norm of the input seen in the forward with the
-            rebuilt one in backward (one scalar per layer; see ``docs/core.md``).
+        check_reconstruction: Compare a fingerprint (norm and random projections) of the input
+            seen in the forward with that of the rebuilt one in backward (see ``docs/core.md``).
         drift_tolerance: Relative difference allowed by that check.
         drift_action: ``"warn"`` or ``"raise"`` when it is exceeded.
     """
@@ -169,7 +170,8 @@ class InPlaceABN(Invertible):
 
     # -- the reversible step ------------------------------------------------------------------
 
-    def step_forward(self, xs: State) -> tuple[State, Any]:
+    def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
+        _refuse_extra(extra)
         (x,) = xs
         self._check_input(x)
         _check_weight(self.weight, self.min_weight)
@@ -189,7 +191,13 @@ class InPlaceABN(Invertible):
         return (y,), record
 
     def step_reverse(
-        self, ys: State, dys: Grads, record: Any, params: Sequence[Tensor], need_input_grad: bool
+        self,
+        ys: State,
+        dys: Grads,
+        record: Any,
+        params: Sequence[Tensor],
+        need_input_grad: bool,
+        extra: ExtraArgs = NO_ARGS,
     ) -> StepResult:
         """Rebuild ``x`` from ``y`` and backpropagate ``dy`` (closed form; see docs/layers.md).
 
@@ -322,6 +330,13 @@ class BatchNormLeakyReLU(nn.BatchNorm2d):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, slope={self.slope:g}, inplace={self.inplace}"
+
+
+def _refuse_extra(extra: ExtraArgs) -> None:
+    if extra:
+        raise TypeError(
+            "InPlaceABN takes one input tensor and no extra arguments: call it as layer(x)"
+        )
 
 
 def _check_config(num_features: int, slope: float, eps: float, momentum: float | None) -> None:

@@ -190,7 +190,7 @@ class RevTransformerLM(_LanguageModel):
 
     def _stack(self, h: Tensor) -> Tensor:
         # Both streams start as the embedding; the pair form avoids concatenating them.
-        y1, y2 = self.layers(h, h)
+        y1, y2 = self.layers((h, h))
         return 0.5 * (y1 + y2)
 
 

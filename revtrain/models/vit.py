@@ -139,7 +139,7 @@ class RevViT(_Encoder):
         self._finish()
 
     def _stack(self, h: Tensor) -> Tensor:
-        y1, y2 = self.layers(h, h)
+        y1, y2 = self.layers((h, h))
         return 0.5 * (y1 + y2)
 
 

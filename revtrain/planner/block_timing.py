@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from revtrain.core import ReversibleBlock, reversible_blocks, split_halves
+from revtrain.core import ReversibleBlock, reversible_blocks
 from revtrain.planner.setup import MeasurementSetup, call_model
 from revtrain.timing import iqr, median_is_stable, timer
 
@@ -120,7 +120,7 @@ def time_blocks(
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             stop = start()
-            y1, y2 = block.forward(z1, z2)  # not __call__: that would re-enter this pre-hook
+            y1, y2 = block.forward((z1, z2))  # not __call__: that would re-enter this pre-hook
             t_fwd = stop()
             grads = (torch.ones_like(y1), torch.ones_like(y2))
             if dev.type == "cuda":
@@ -140,7 +140,7 @@ def time_blocks(
         return fm, bm, fc, bc
 
     def pre(block: ReversibleBlock, args: tuple) -> None:
-        x1, x2 = args if len(args) == 2 else split_halves(args[0], block.split_dim)
+        x1, x2 = block.to_state(args[0])  # a tensor (split in halves) or a pair (x1, x2)
         for k in range(rule.warmup_pairs):
             pair(block, x1, x2, k)
         rows: list[tuple[float, float, float, float]] = []
