@@ -21,6 +21,8 @@ from pathlib import Path
 
 from revtrain.bench import (
     METHODS,
+    OURS,
+    PEERS,
     StackBenchConfig,
     format_table,
     machine_info,
@@ -28,6 +30,8 @@ from revtrain.bench import (
     run_stack_benchmark,
 )
 from revtrain.bench.machine import busy_machine_note
+from revtrain.bench.peers import installed_peers
+from revtrain.bench.stack import EXTRA_METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--depths", type=int, nargs="+", default=list(defaults.depths), help="blocks per stack"
     )
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(OURS), choices=METHODS + EXTRA_METHODS,
+                        help="methods to run (peers: " + ", ".join(PEERS) + "; M variants: "
+                        + ", ".join(EXTRA_METHODS) + ")")
+    parser.add_argument("--with-peers", action="store_true",
+                        help="also run every installed peer library (revlib, memcnn, reformer, revtorch)")
     parser.add_argument(
         "--repeats", type=int, default=defaults.repeats, help="timed steps per method and depth"
     )
@@ -104,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         channels=args.channels,
         size=args.size,
         depths=tuple(args.depths),
-        methods=tuple(args.methods),
+        methods=tuple(args.methods) + (tuple(p for p in installed_peers() if p not in args.methods)
+                                       if args.with_peers else ()),
         repeats=args.repeats,
         warmup=args.warmup,
         device=str(device),

@@ -2,27 +2,26 @@
 
     revtrain train [options]      train a model (default: RevNet-38 on digits, M-mode)
     revtrain models [pattern]     the model zoo with parameter counts
+    revtrain sample --checkpoint  continue a text prompt with a trained language model
     revtrain plan [options]       choose M/C per reversible block for a memory budget
     revtrain bench [options]      step time and memory of a reversible stack, four ways
 
-Options of ``train`` and ``bench`` are the fields of their config dataclasses, with the
-fields' docstrings as help. Errors in what the user asked for (an unknown model, a missing
+Options of ``train``, ``plan`` and ``bench`` are the fields of their config dataclasses, with
+the fields' docstrings as help (:mod:`revtrain.options`). Errors in what the user asked for (an unknown model, a missing
 dataset folder, a bad checkpoint, an impossible budget) print one message and exit with 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib
 import os
 import sys
-import typing
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from revtrain._version import __version__
 from revtrain.errors import RevtrainError
+from revtrain.options import add_config_options as _add_config_options
+from revtrain.options import given_options as _given
 
 __all__ = ["main"]
 
@@ -61,21 +60,31 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     from revtrain.models import list_models
+    from revtrain.tasks import list_tasks
     from revtrain.train import TrainConfig
 
     train = sub.add_parser("train", help="train a model (default: RevNet-38 on digits, M-mode)",
                            description="Train a model; every option defaults to the recipe in TrainConfig.")
     _add_config_options(train, TrainConfig, const={"amp": "bf16"}, help_suffix={
         "model": f" Choices: {', '.join(list_models())}.",
+        "task": f" Choices: {', '.join(list_tasks())}.",
     })
     train.set_defaults(run=_run_train)
+
+    from revtrain.train.sample import SampleConfig
+
+    sample = sub.add_parser("sample", help="continue a text prompt with a trained language model",
+                            description="Generate bytes with the model of a `revtrain train --dataset text` run.")
+    _add_config_options(sample, SampleConfig)
+    sample.set_defaults(run=_run_sample)
 
     models = sub.add_parser("models", help="list the model zoo with parameter counts")
     models.add_argument("pattern", nargs="?", default="*", help="shell-style filter, e.g. 'revnet*'")
     models.set_defaults(run=_run_models)
 
-    plan = sub.add_parser("plan", help="choose M/C mode per reversible block for a memory budget")
-    _wire_optional(plan, "revtrain.planner.command", "add_plan_arguments", "run_plan")
+    plan = sub.add_parser("plan", help="choose M/C mode per reversible block for a memory budget",
+                          description="Profile a zoo model, plan for a memory budget, measure the plan.")
+    _wire_plan(plan)
 
     bench = sub.add_parser("bench", help="time and memory of a reversible stack: M, C, plain, checkpoint")
     _wire_bench(bench)
@@ -86,10 +95,20 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from revtrain.train import TrainConfig, Trainer, resolve_config
+    from revtrain.train import TrainConfig, Trainer, TrainingInterrupted, resolve_run
 
-    trainer = Trainer(resolve_config(_given(args, TrainConfig)))
-    trainer.fit()
+    trainer = Trainer(resolve_run(_given(args, TrainConfig)))
+    try:
+        trainer.fit()
+    except TrainingInterrupted as stop:  # the checkpoint is saved and the trainer said where
+        return 128 + stop.signum
+    return 0
+
+
+def _run_sample(args: argparse.Namespace) -> int:
+    from revtrain.train.sample import SampleConfig, sample_from_checkpoint
+
+    print(sample_from_checkpoint(SampleConfig(**_given(args, SampleConfig))))
     return 0
 
 
@@ -114,102 +133,24 @@ def _run_models(args: argparse.Namespace) -> int:
 
 
 def _wire_bench(parser: argparse.ArgumentParser) -> None:
-    try:
-        stack = importlib.import_module("revtrain.bench.stack")
-    except ModuleNotFoundError as err:
-        if err.name not in ("revtrain.bench", "revtrain.bench.stack"):
-            raise
-        parser.set_defaults(run=_unavailable("bench", "revtrain.bench.stack"))
-        return
-    config_cls = stack.StackBenchConfig
-    _add_config_options(parser, config_cls, defaults=_BENCH_DEFAULTS)
+    from revtrain.bench import stack
+
+    _add_config_options(parser, stack.StackBenchConfig, defaults=_BENCH_DEFAULTS)
 
     def run(args: argparse.Namespace) -> int:
-        options = {**_BENCH_DEFAULTS, **_given(args, config_cls)}
-        rows = stack.run_stack_benchmark(config_cls(**options), log=lambda line: print(line, flush=True))
+        options = {**_BENCH_DEFAULTS, **_given(args, stack.StackBenchConfig)}
+        rows = stack.run_stack_benchmark(stack.StackBenchConfig(**options), log=lambda line: print(line, flush=True))
         print(stack.format_table(rows))
         return 0
 
     parser.set_defaults(run=run)
 
 
-def _wire_optional(parser: argparse.ArgumentParser, module: str, add_name: str, run_name: str) -> None:
-    """Wire a subcommand implemented elsewhere, if that module is installed."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if not module.startswith(str(err.name)):
-            raise
-        parser.set_defaults(run=_unavailable(parser.prog.split()[-1], module))
-        return
-    getattr(mod, add_name)(parser)
-    parser.set_defaults(run=getattr(mod, run_name))
+def _wire_plan(parser: argparse.ArgumentParser) -> None:
+    from revtrain.planner.command import PlanConfig, run_plan
 
-
-def _unavailable(command: str, module: str) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        raise RevtrainError(f"`revtrain {command}` is not available in this installation ({module} is "
-                            "missing); reinstall revtrain or update it")
-
-    return run
-
-
-# ----------------------------------------------------------------------------- config -> options
-
-
-def _add_config_options(
-    parser: argparse.ArgumentParser,
-    cls: type,
-    *,
-    defaults: dict[str, Any] | None = None,
-    const: dict[str, Any] | None = None,
-    help_suffix: dict[str, str] | None = None,
-) -> None:
-    """One ``--option`` per field of a dataclass, typed from its annotation, helped by its docstring.
-
-    Options default to ``argparse.SUPPRESS``: only the options given appear in the namespace,
-    so the dataclass's own defaults (or a resumed run's settings) apply to the rest.
-    """
-    from revtrain.train import field_docs
-
-    hints, docs = typing.get_type_hints(cls), field_docs(cls)
-    defaults, const, help_suffix = defaults or {}, const or {}, help_suffix or {}
-    for f in dataclasses.fields(cls):
-        kind = _unwrap_optional(hints[f.name])
-        default = defaults.get(f.name, f.default)
-        shown = "" if default is None else f" (default: {_show(default)})"
-        text = docs.get(f.name, "") + help_suffix.get(f.name, "") + shown
-        kwargs: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
-        if kind is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        elif typing.get_origin(kind) is typing.Literal:
-            kwargs["choices"] = typing.get_args(kind)
-        elif typing.get_origin(kind) is tuple:
-            kwargs.update(nargs="+", type=typing.get_args(kind)[0], metavar=f.name[:-1].upper() or "X")
-        else:
-            kwargs.update(type=kind, metavar=f.name.upper())
-        if f.name in const:
-            kwargs.update(nargs="?", const=const[f.name])
-        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
-
-
-def _given(args: argparse.Namespace, cls: type) -> dict[str, Any]:
-    """The fields of ``cls`` that were given on the command line (the others are absent)."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-
-
-def _unwrap_optional(kind: Any) -> Any:
-    """``X | None`` -> ``X`` (an option that is not given stays None)."""
-    rest = [a for a in typing.get_args(kind) if a is not type(None)]
-    if len(rest) == 1 and len(typing.get_args(kind)) == 2:
-        return rest[0]
-    return kind
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, tuple):
-        return " ".join(map(str, value))
-    return str(value)
+    _add_config_options(parser, PlanConfig)
+    parser.set_defaults(run=lambda args: run_plan(PlanConfig(**_given(args, PlanConfig))))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ __all__ = [
     "ReversibilityError",
     "NotInvertibleError",
     "ReconstructionError",
+    "GridOverflowError",
     "ReconstructionDriftWarning",
 ]
 
@@ -30,6 +31,11 @@ class NotInvertibleError(ReversibilityError):
 
 class ReconstructionError(RevtrainError, RuntimeError):
     """Rebuilding a block's input during backward failed (non-finite values, drift, in-place edits)."""
+
+
+class GridOverflowError(ReconstructionError):
+    """An activation left the fixed-point grid's range (or was not finite), so an exact
+    coupling could no longer rebuild its input bit for bit."""
 
 
 class ReconstructionDriftWarning(UserWarning):

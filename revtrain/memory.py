@@ -39,7 +39,7 @@ from __future__ import annotations
 import re
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 from functools import partial
@@ -53,6 +53,7 @@ __all__ = [
     "track_peak_memory",
     "measure_peak",
     "format_bytes",
+    "format_step_memory",
     "parse_bytes",
     "process_peak_rss_bytes",
 ]
@@ -385,6 +386,32 @@ def parse_bytes(value: int | str) -> int:
     except InvalidOperation as err:  # pragma: no cover - the regex admits only decimals
         raise ValueError(f"cannot parse memory size {value!r}: expected {accepted}") from err
     return int(exact.to_integral_value(rounding=ROUND_HALF_UP))
+
+
+def format_step_memory(
+    batch_size: int, modes: Mapping[str, str], peak_bytes: int, plain_bytes: int | None = None
+) -> str:
+    """The one way every command prints step memory (a training step's peak tensor bytes, as
+    :mod:`revtrain.planner.measure` defines it: parameters, gradients, optimizer state, batch,
+    activations), e.g. ``step memory (batch 32, 14 M / 11 C of 25 reversible blocks): 129.13
+    MiB; plain backprop needs 281.14 MiB (2.18x)``.
+
+    Args:
+        batch_size: The batch size measured.
+        modes: Each reversible block's mode, by name (empty for a model without any).
+        peak_bytes: The step memory in these modes.
+        plain_bytes: The step memory with every block in C-mode (plain backprop), if measured.
+    """
+    if modes:
+        c = sum(m == "C" for m in modes.values())
+        blocks = f"{len(modes) - c} M / {c} C of {len(modes)} reversible blocks"
+    else:
+        blocks = "no reversible blocks"
+    line = f"step memory (batch {batch_size}, {blocks}): {format_bytes(peak_bytes)}"
+    if plain_bytes is not None:
+        ratio = f" ({plain_bytes / peak_bytes:.2f}x)" if peak_bytes else ""
+        line += f"; plain backprop needs {format_bytes(plain_bytes)}{ratio}"
+    return line
 
 
 def process_peak_rss_bytes() -> int | None:

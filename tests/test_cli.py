@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +16,7 @@ import torch
 
 from revtrain.cli import main
 from revtrain.models import list_models
-from revtrain.train import TrainConfig, field_docs
+from revtrain.train import TrainConfig, field_docs, load_checkpoint
 
 TINY = ["--image-size", "8", "--batch-size", "16", "--eval-batch-size", "360", "--max-steps-per-epoch", "2",
         "--device", "cpu", "--no-memory-report", "--quiet"]
@@ -78,7 +83,7 @@ def test_help_comes_from_the_config_docstrings(capsys: pytest.CaptureFixture[str
         main(["train", "--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
-    for name in ("lr", "weight_decay", "budget", "resume"):
+    for name in ("lr", "weight_decay", "budget", "resume", "task", "divergence_factor"):
         assert " ".join(field_docs(TrainConfig)[name].split()) in text
     assert "--no-nesterov" in text and "(default: revnet38)" in text
 
@@ -87,7 +92,7 @@ def test_train_then_resume_with_more_epochs(capsys: pytest.CaptureFixture[str], 
     run = tmp_path / "run"
     assert main(["train", *TINY, "--epochs", "1", "--run-dir", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "epoch 1/1" in out and "test accuracy" in out
+    assert "epoch 1/1" in out and "test loss" in out and " acc " in out
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
 
     # Resume takes the saved settings (image size, batch size, ...) and extends to 2 epochs.
@@ -119,3 +124,66 @@ def test_plan_subcommand_is_wired(capsys: pytest.CaptureFixture[str]) -> None:
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "train" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--lr", "inf"], "lr (--lr) must be a finite number, got inf"),
+    (["--weight-decay", "nan"], "weight_decay (--weight-decay) must be a finite number, got nan"),
+    (["--warmup-epochs", "inf"], "warmup_epochs (--warmup-epochs) must be a finite number, got inf"),
+])
+def test_non_finite_options_fail_cleanly(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert message in _fails_cleanly(capsys, ["train", *argv])
+
+
+def test_run_safety_errors_are_one_line_naming_the_file(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    err = _fails_cleanly(capsys, ["train", *TINY, "--run-dir", str(run)])  # no --resume
+    assert f"--run-dir {run} already holds a run" in err
+    err = _fails_cleanly(capsys, ["train", "--resume", str(run), "--batch-size", "8"])
+    assert f"cannot resume {run / 'checkpoint.pt'} with --batch-size 8" in err
+    damaged = tmp_path / "damaged.pt"
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    state["config"]["lr"] = 1.0
+    torch.save(state, damaged)
+    err = _fails_cleanly(capsys, ["train", "--resume", str(damaged)])
+    assert f"checkpoint {damaged} fails its checksum" in err
+
+    import revtrain.train.checkpoint as checkpoint_module
+
+    def disk_full(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", disk_full)
+    err = _fails_cleanly(capsys, ["train", "--resume", str(run), "--epochs", "2"])
+    assert f"no space left on device while writing checkpoint {run / 'checkpoint.pt'}" in err
+    assert "the previous checkpoint" in err and "is kept unchanged" in err
+
+
+def test_sigterm_saves_and_exits_143(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A real SIGTERM, sent by another thread (as a scheduler would) once training runs."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # a stray signal must not kill pytest
+    run = tmp_path / "run"
+    metrics = run / "metrics.jsonl"
+
+    def scheduler() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if metrics.is_file() and '"step"' in metrics.read_text():
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.01)
+
+    sender = threading.Thread(target=scheduler, daemon=True)
+    sender.start()
+    try:
+        code = main(["train", *TINY, "--epochs", "1000", "--run-dir", str(run)])
+    finally:
+        sender.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "terminated (SIGTERM) at step" in err and f"revtrain train --resume {run / 'checkpoint.pt'}" in err
+    assert load_checkpoint(run / "checkpoint.pt")["progress"]["step"] >= 1

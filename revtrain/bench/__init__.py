@@ -2,8 +2,10 @@
 and a future ``revtrain bench`` command are thin wrappers over these)."""
 
 from revtrain.bench.machine import cpu_model, load_average, machine_info
+from revtrain.bench.peers import PEERS, installed_peers
 from revtrain.bench.stack import (
     METHODS,
+    OURS,
     GradientMismatchError,
     StackBenchConfig,
     StackBenchRow,
@@ -14,6 +16,9 @@ from revtrain.bench.stack import (
 
 __all__ = [
     "METHODS",
+    "OURS",
+    "PEERS",
+    "installed_peers",
     "GradientMismatchError",
     "StackBenchConfig",
     "StackBenchRow",

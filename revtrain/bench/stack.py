@@ -35,12 +35,15 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from revtrain.bench.peers import PEERS, build_peer, peer_status
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes
-from revtrain.device import resolve_device
+from revtrain.device import float_dtype, resolve_device
 from revtrain.memory import format_bytes, track_peak_memory
+from revtrain.timing import iqr
 
 __all__ = [
     "METHODS",
+    "EXTRA_METHODS",
     "StackBenchConfig",
     "StackBenchRow",
     "GradientMismatchError",
@@ -49,8 +52,15 @@ __all__ = [
     "resolve_device",
 ]
 
-METHODS: tuple[str, ...] = ("plain", "M", "C", "checkpoint")
-"""Every method the stack benchmark knows, in table order; ``"plain"`` is the reference."""
+OURS: tuple[str, ...] = ("plain", "M", "C", "checkpoint")
+"""revtrain's methods and plain PyTorch's, in table order; ``"plain"`` is the reference."""
+
+METHODS: tuple[str, ...] = OURS + PEERS
+"""Every method the stack benchmark knows: ours, then the peer libraries (when installed)."""
+
+EXTRA_METHODS: tuple[str, ...] = ("M-nocheck", "M-exact", "M-chain")
+"""Variants of M-mode measured on request: without the rebuild check, with exact (fixed-point)
+couplings, and as standalone blocks chained on pairs instead of one ``ReversibleSequence``."""
 
 
 class GradientMismatchError(RuntimeError):
@@ -69,8 +79,9 @@ class StackBenchConfig:
     """Height and width of the feature maps."""
     depths: tuple[int, ...] = (4, 8, 16, 32)
     """Numbers of coupling blocks; one stack is built and measured per depth."""
-    methods: tuple[str, ...] = METHODS
-    """Which of ``METHODS`` to run; ``"plain"`` must be among them (ratios are taken against it)."""
+    methods: tuple[str, ...] = OURS
+    """Which of ``METHODS`` to run; ``"plain"`` must be among them (ratios are taken against it).
+    Peer libraries (``"revlib"``, ``"memcnn"``, ``"reformer"``, ``"revtorch"``) must be installed."""
     repeats: int = 5
     """Timed steps per method and depth; the table reports their median, IQR and minimum."""
     warmup: int = 1
@@ -96,7 +107,7 @@ class StackBenchConfig:
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, torch.dtype):  # accept torch.float32 as well as "float32"
-            self.dtype = str(self.dtype).removeprefix("torch.")
+            self.dtype = str(float_dtype(self.dtype)).removeprefix("torch.")
         for name in ("batch", "channels", "size", "repeats"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -112,18 +123,19 @@ class StackBenchConfig:
         if not self.depths or any(not isinstance(d, int) or d < 1 for d in self.depths):
             raise ValueError(f"depths must be positive integers, got {self.depths!r}")
         self.methods = tuple(self.methods)
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if m not in METHODS + EXTRA_METHODS]
         if unknown:
-            raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+            raise ValueError(f"unknown method(s) {unknown}; choose from {list(METHODS + EXTRA_METHODS)}")
         if "plain" not in self.methods:
             raise ValueError(
                 "methods must include 'plain': every ratio in the table is taken against it"
             )
         if len(set(self.methods)) != len(self.methods):
             raise ValueError(f"methods must not repeat, got {self.methods!r}")
-        dtype = getattr(torch, self.dtype, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must name a floating-point torch dtype, got {self.dtype!r}")
+        missing = [problem for m in self.methods if m in PEERS and (problem := peer_status(m))]
+        if missing:
+            raise ValueError("; ".join(missing))
+        float_dtype(self.dtype)
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer or None, got {self.threads!r}")
         if not self.grad_tolerance > 0:
@@ -133,7 +145,7 @@ class StackBenchConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """``dtype`` as a :class:`torch.dtype`."""
-        return getattr(torch, self.dtype)
+        return float_dtype(self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for results files."""
@@ -246,6 +258,15 @@ def _build_models(depth: int, config: StackBenchConfig, device: torch.device) ->
             models[mode] = seq
     if "checkpoint" in config.methods:
         models["checkpoint"] = _PlainStack(couplings, checkpointed=True)
+    for peer in PEERS:
+        if peer in config.methods:
+            models[peer] = build_peer(peer, fgs)
+    if "M-nocheck" in config.methods:
+        models["M-nocheck"] = ReversibleSequence([ReversibleBlock(f, g, check_reconstruction=False) for f, g in fgs])
+    if "M-exact" in config.methods:
+        models["M-exact"] = ReversibleSequence([ReversibleBlock(f, g, coupling="exact") for f, g in fgs])
+    if "M-chain" in config.methods:
+        models["M-chain"] = _PlainStack(nn.Sequential(*(ReversibleBlock(f, g) for f, g in fgs)))
     for model in models.values():
         model.to(device=device, dtype=config.torch_dtype).train()
     return {m: models[m] for m in config.methods}
@@ -304,16 +325,6 @@ def _rel_err(got: list[Tensor], want: list[Tensor]) -> float:
     diff = sum(float((g.double() - w.double()).square().sum()) for g, w in zip(got, want))
     norm = sum(float(w.double().square().sum()) for w in want)
     return (diff / norm) ** 0.5 if norm > 0 else diff**0.5
-
-
-# ----------------------------------------------------------------------------- statistics
-
-
-def _iqr(values: Sequence[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q3 - q1
 
 
 # ----------------------------------------------------------------------------- the run
@@ -409,7 +420,7 @@ def _measure_depth(
                 depth=depth,
                 method=method,
                 time_median_s=median,
-                time_iqr_s=_iqr(ts),
+                time_iqr_s=iqr(ts),
                 time_min_s=min(ts),
                 time_ratio=median / plain_wall,
                 time_ratio_paired=statistics.median(t / p for t, p in zip(ts, wall["plain"])),

@@ -9,9 +9,19 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from revtrain.core.coupling import Coupling, CouplingLike, FOut, get_coupling
+from revtrain.core.arguments import NO_ARGS, ExtraArgs
+from revtrain.core.coupling import Coupling, CouplingLike, FOut, InverseCoupling, get_coupling
 from revtrain.core.function import check_state, run_reversible
-from revtrain.core.invertible import MODES, Invertible, Mode, normalize_mode, replay, trainable_params
+from revtrain.core.invertible import (
+    MODES,
+    InverseStep,
+    Invertible,
+    Mode,
+    normalize_mode,
+    replay,
+    route_extra_grads,
+    trainable_params,
+)
 from revtrain.core.replay import RngState
 from revtrain.core.step import Grads, State, StepResult, autograd_grads
 from revtrain.errors import ReversibilityError
@@ -21,6 +31,11 @@ __all__ = ["ReversibleBlock", "Mode", "MODES", "normalize_mode", "split_halves"]
 
 def split_halves(x: Tensor, split_dim: int) -> tuple[Tensor, Tensor]:
     """Split ``x`` into two equal halves along ``split_dim`` (views, no copy)."""
+    if not isinstance(x, Tensor):
+        raise ReversibilityError(
+            f"a reversible block takes a tensor or a pair (x1, x2) of tensors; got a "
+            f"{type(x).__name__}"
+        )
     if x.dim() == 0 or not -x.dim() <= split_dim < x.dim():
         raise ReversibilityError(
             f"cannot split a tensor of shape {tuple(x.shape)} along dim {split_dim}; pass a "
@@ -31,7 +46,7 @@ def split_halves(x: Tensor, split_dim: int) -> tuple[Tensor, Tensor]:
         raise ReversibilityError(
             f"cannot split dim {split_dim} of size {size} (shape {tuple(x.shape)}) into two equal "
             f"halves; use an even size there (e.g. a 1x1 conv to {size + 1} channels before the "
-            "block), or call the block on a pair (x1, x2)"
+            "block), or call the block on a pair block((x1, x2))"
         )
     x1, x2 = x.chunk(2, dim=split_dim)
     return x1, x2
@@ -45,6 +60,18 @@ class _CouplingRecord:
     rng_g: RngState | None
 
 
+@dataclass(frozen=True)
+class _Roles:
+    """Who plays ``F`` and ``G`` with which coupling: the block itself, or its inverse (whose
+    "F" is the block's ``G`` and whose coupling is the block's coupling inverted)."""
+
+    f: nn.Module
+    g: nn.Module
+    f_name: str
+    g_name: str
+    coupling: Coupling
+
+
 class ReversibleBlock(Invertible):
     """A reversible coupling block ``y1 = c(x1, F(x2)), y2 = c(x2, G(y1))``.
 
@@ -54,30 +81,40 @@ class ReversibleBlock(Invertible):
     - ``"M"`` (memory-centric): the input is not kept; backward rebuilds it from the output
       with the inverse, building the graphs of ``F`` and ``G`` once and reusing them for the
       gradients (RevNet Algorithm 1: ``F`` and ``G`` run once more each). Consecutive M-mode
-      blocks inside a :class:`~revtrain.core.ReversibleSequence` keep only their last output.
+      blocks keep only their last output, whether inside a
+      :class:`~revtrain.core.ReversibleSequence` or chained in any container.
     - ``"C"`` (compute-centric): plain autograd; keeps what backward needs, no extra compute.
 
     Args:
         f: Module applied to the second half; its output is coupled into the first half.
         g: Module applied to the new first half; its output is coupled into the second half.
-        coupling: ``"additive"`` (``y = x + h``), ``"affine"`` (``y = x * exp(s) + t``), or a
+        coupling: ``"additive"`` (``y = x + h``), ``"affine"`` (``y = x * exp(s) + t``),
+            ``"exact"`` (additive on a fixed-point grid: bit-exact rebuilds, see
+            :class:`~revtrain.core.ExactAdditiveCoupling`), or a
             :class:`~revtrain.core.Coupling` instance.
         split_dim: Dimension along which a single input tensor is split in halves.
         mode: ``"M"`` or ``"C"``; can be changed any time through ``block.mode``.
         preserve_rng_state: Capture the random generators before ``F`` and ``G`` in the forward
             and replay them in the rebuild, so dropout inside ``F``/``G`` rebuilds exactly. Turn
             off only when ``F`` and ``G`` use no randomness.
-        check_reconstruction: In M-mode, record the norm of each input half in the forward
-            (two scalars) and compare it with the rebuilt half in backward: a non-finite rebuild
-            raises :class:`~revtrain.errors.ReconstructionError`; a relative drift above
-            ``drift_tolerance`` warns, or raises when ``drift_action="raise"``.
-        drift_tolerance: Relative difference of norms allowed between input and rebuild.
+        check_reconstruction: In M-mode, record a fingerprint of each input half in the forward
+            (its norm and a few random projections) and compare it with the rebuilt half in
+            backward: a non-finite rebuild raises :class:`~revtrain.errors.ReconstructionError`
+            naming the culprit; a relative error above ``drift_tolerance`` warns, or raises when
+            ``drift_action="raise"``.
+        drift_tolerance: Relative rebuild error allowed by that check.
         drift_action: ``"warn"`` or ``"raise"``.
 
     Call it on one tensor (split in halves along ``split_dim``, output concatenated) or on a
-    pair ``block(x1, x2) -> (y1, y2)``. Forward hooks on the block do not fire for blocks run
+    pair ``block((x1, x2)) -> (y1, y2)``. Further arguments go to ``F`` and ``G``:
+    ``block(x, mask, pos=p)`` computes ``F(x2, mask, pos=p)`` and ``G(y1, mask, pos=p)``;
+    tensors among them get gradients. ``block.inverse(y, ...)`` rebuilds the input; in M-mode
+    it keeps only its own output too. Forward hooks on the block do not fire for blocks run
     inside an M-mode run of a sequence.
     """
+
+    output_names = ((0, "F"), (1, "G"))
+    """Which function produced each output half, in the order they are computed."""
 
     def __init__(
         self,
@@ -112,13 +149,27 @@ class ReversibleBlock(Invertible):
     def extra_repr(self) -> str:
         return f"mode={self._mode!r}, coupling={self.coupling.name!r}, split_dim={self.split_dim}"
 
+    @property
+    def roles(self) -> _Roles:
+        return _Roles(self.f, self.g, "F", "G", self.coupling)
+
+    @property
+    def inverse_roles(self) -> _Roles:
+        return _Roles(self.g, self.f, "G", "F", InverseCoupling(self.coupling))
+
     # -- the coupling itself, shared by every path ------------------------------------------
 
-    def checked_call(self, fn: nn.Module, fn_name: str, inp: Tensor, other: Tensor) -> FOut:
-        """``fn(inp)``, refusing an ``fn`` that edits its input in place or whose output does
-        not fit the coupling with ``other`` (the half it is coupled into)."""
+    def checked_call(
+        self, fn: nn.Module, fn_name: str, inp: Tensor, other: Tensor, extra: ExtraArgs = NO_ARGS
+    ) -> FOut:
+        """``fn(inp, *extra)``, refusing an ``fn`` that edits its input in place or whose
+        output does not fit the coupling with ``other`` (the half it is coupled into)."""
         version = inp._version
-        h = fn(inp)
+        try:
+            h = extra.call(fn, inp)
+        except (RuntimeError, TypeError) as err:
+            _explain_call_error(fn, fn_name, inp, extra, err)
+            raise
         if inp._version != version:
             raise ReversibilityError(
                 f"{fn_name} modified its input in place (e.g. nn.ReLU(inplace=True) or x.add_() "
@@ -128,35 +179,31 @@ class ReversibleBlock(Invertible):
         self.coupling.check_shapes(other, h, self.split_dim, fn_name)
         return h
 
-    def forward_pair(self, x1: Tensor, x2: Tensor) -> tuple[Tensor, Tensor]:
+    def forward_pair(self, x1: Tensor, x2: Tensor, extra: ExtraArgs = NO_ARGS) -> tuple[Tensor, Tensor]:
         """The coupling computed directly, under the ambient autograd mode."""
-        y1 = self.coupling.forward(x1, self.checked_call(self.f, "F", x2, x1))
-        y2 = self.coupling.forward(x2, self.checked_call(self.g, "G", y1, x2))
+        (y1, y2), _ = _couple_forward(self, self.roles, x1, x2, extra, rng=False)
         return y1, y2
 
-    def inverse_pair(self, y1: Tensor, y2: Tensor) -> tuple[Tensor, Tensor]:
+    def inverse_pair(self, y1: Tensor, y2: Tensor, extra: ExtraArgs = NO_ARGS) -> tuple[Tensor, Tensor]:
         """Rebuild ``(x1, x2)`` from ``(y1, y2)`` under the ambient autograd mode."""
-        x2 = self.coupling.inverse(y2, self.g(y1))
-        x1 = self.coupling.inverse(y1, self.f(x2))
+        (x2, x1), _ = _couple_forward(self, self.inverse_roles, y2, y1, extra, rng=False)
         return x1, x2
-
-    def inverse(self, y: Tensor, y2: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # type: ignore[override]
-        """Rebuild the input from the output: one tensor in, one out; a pair in, a pair out."""
-        if y2 is not None:
-            return self.inverse_pair(y, y2)
-        x1, x2 = self.inverse_pair(*split_halves(y, self.split_dim))
-        return torch.cat([x1, x2], dim=self.split_dim)
 
     # -- Invertible: states are pairs of halves ----------------------------------------------
 
-    def forward_state(self, xs: State) -> State:
-        return self.forward_pair(*xs)
+    def forward_state(self, xs: State, *args: Any, **kwargs: Any) -> State:
+        return self.forward_pair(*xs, extra=ExtraArgs.of(args, kwargs))
 
-    def inverse_state(self, ys: State) -> State:
-        return self.inverse_pair(*ys)
+    def inverse_state(self, ys: State, *args: Any, **kwargs: Any) -> State:
+        return self.inverse_pair(*ys, extra=ExtraArgs.of(args, kwargs))
 
     def to_state(self, value: Any) -> State:
         if isinstance(value, (tuple, list)):
+            if len(value) != 2:
+                raise ReversibilityError(
+                    f"a block called on a pair takes (x1, x2); got a {type(value).__name__} of "
+                    f"{len(value)} items"
+                )
             return tuple(value)
         return split_halves(value, self.split_dim)
 
@@ -166,82 +213,189 @@ class ReversibleBlock(Invertible):
     def describe(self) -> str:
         return self.extra_repr()
 
-    # -- entry point -------------------------------------------------------------------------
+    # -- entry points ------------------------------------------------------------------------
 
-    def forward(self, x: Tensor, x2: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # type: ignore[override]
-        pair = x2 is not None
-        xs = (x, x2) if pair else split_halves(x, self.split_dim)
-        check_state(xs)  # type: ignore[arg-type]
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return self._run(x, args, kwargs, inverse=False)
+
+    def inverse(self, y: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Rebuild the input from the output: one tensor in, one out; a pair in, a pair out.
+
+        In M-mode with gradients enabled the inverse keeps only its own output (memcnn's
+        ``keep_input_inverse=False``): backward rebuilds ``y`` by running the block forward,
+        ``F`` and ``G`` once more each, like the forward's backward.
+        """
+        return self._run(y, args, kwargs, inverse=True)
+
+    def inverse_step(self) -> InverseStep:
+        return _BlockInverse(self)
+
+    def _run(self, value: Any, args: tuple, kwargs: dict, *, inverse: bool) -> Any:
+        pair = isinstance(value, (tuple, list))
+        xs = self.to_state(value)
+        check_state(xs)
+        extra = ExtraArgs.of(args, kwargs)
+        xs, source = self.coupling.prepare_input(xs, value)
         if self._mode == "M" and torch.is_grad_enabled():
-            return run_reversible((self,), xs, join_dim=None if pair else self.split_dim)  # type: ignore[arg-type,return-value]
-        y1, y2 = self.forward_pair(*xs)  # type: ignore[misc]
-        return (y1, y2) if pair else torch.cat([y1, y2], dim=self.split_dim)
+            step = self.inverse_step() if inverse else self
+            out = run_reversible((step,), xs, None if pair else self.split_dim, extra, source)
+        else:
+            a, b = (self.inverse_pair if inverse else self.forward_pair)(*xs, extra=extra)  # type: ignore[misc]
+            out = (a, b) if pair else torch.cat([a, b], dim=self.split_dim)
+        self.coupling.mark_output(out)
+        return out
 
     # -- the reversible step: RevNet Algorithm 1 ---------------------------------------------
 
     def step_params(self) -> list[Tensor]:
         return trainable_params(self.f, self.g)
 
-    def step_forward(self, xs: State) -> tuple[State, Any]:
-        x1, x2 = xs
-        device = x1.device
-        rng_f = RngState.capture(device) if self.preserve_rng_state else None
-        y1 = self.coupling.forward(x1, self.checked_call(self.f, "F", x2, x1))
-        rng_g = RngState.capture(device) if self.preserve_rng_state else None
-        y2 = self.coupling.forward(x2, self.checked_call(self.g, "G", y1, x2))
-        return (y1, y2), _CouplingRecord(rng_f, rng_g)
+    def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
+        return _couple_forward(self, self.roles, xs[0], xs[1], extra, rng=self.preserve_rng_state)
 
     def step_reverse(
-        self, ys: State, dys: Grads, record: Any, params: Sequence[Tensor], need_input_grad: bool
+        self,
+        ys: State,
+        dys: Grads,
+        record: Any,
+        params: Sequence[Tensor],
+        need_input_grad: bool,
+        extra: ExtraArgs = NO_ARGS,
     ) -> StepResult:
-        """Rebuild ``(x1, x2)`` from ``(y1, y2)`` and backpropagate, building each graph once.
+        return _couple_reverse(self.roles, ys, dys, record, params, need_input_grad, extra)
 
-        ``G`` runs once on ``y1`` building its graph: ``x2 = c⁻¹(y2, G(y1))`` is rebuilt and
-        ``dy2`` backpropagated through that graph; then ``F`` runs once on the rebuilt ``x2``
-        building its graph: ``x1 = c⁻¹(y1, F(x2))``, and ``dz1`` is backpropagated.
-        """
-        rng_f = record.rng_f if isinstance(record, _CouplingRecord) else None
-        rng_g = record.rng_g if isinstance(record, _CouplingRecord) else None
-        coupling = self.coupling
-        y1, y2 = ys
-        dy1, dy2 = dys
-        params = list(params)
-        # A gradient of None means "this output was not used": like plain autograd, the
-        # functions that only feed it then get no gradient (None, not zeros), and their graph
-        # is not built.
-        z1 = y1.detach().requires_grad_(dy2 is not None)
-        with replay(rng_g), torch.set_grad_enabled(dy2 is not None):
-            h_g = self.g(z1)
-        h_g_value = _detached(h_g)
-        with torch.no_grad():
-            x2 = coupling.inverse(y2, h_g_value)
-        dx2: Tensor | None = None
-        grads: list[Tensor | None] = [None] * len(params)
-        dz1 = dy1
-        if dy2 is not None:
-            dx2, dh_g = coupling.vjp(x2, h_g_value, dy2)
-            dz1_g, *grads = autograd_grads([h_g], [z1, *params], [dh_g])
-            dz1 = dz1_g if dy1 is None else _add(dy1, dz1_g)
-            del dh_g
-        del h_g, h_g_value
 
-        build_f = dz1 is not None
-        x2 = x2.detach().requires_grad_(need_input_grad and build_f)
-        with replay(rng_f), torch.set_grad_enabled(build_f):
-            h_f = self.f(x2)
-        h_f_value = _detached(h_f)
-        with torch.no_grad():
-            x1 = coupling.inverse(z1.detach(), h_f_value)
-        dx1: Tensor | None = None
-        if build_f:
-            dx1, dh_f = coupling.vjp(x1, h_f_value, dz1)  # type: ignore[arg-type]
-            f_inputs = [x2, *params] if need_input_grad else params
-            f_grads = autograd_grads([h_f], f_inputs, [dh_f])
-            if need_input_grad:
-                dx2_f = f_grads.pop(0)
-                dx2 = dx2_f if dx2 is None else _add(dx2, dx2_f)
-            grads = [_sum(a, b) for a, b in zip(grads, f_grads)]
-        return StepResult((x1, x2.detach()), (dx1, dx2), grads)
+class _BlockInverse(InverseStep):
+    """A block's inverse as a reversible step: the block with ``F``/``G`` swapped, its
+    coupling inverted and its halves swapped, so the rebuild is Algorithm 1 too."""
+
+    module: ReversibleBlock
+    output_names = ((1, "G"), (0, "F"))
+
+    def step_forward(self, ys: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
+        block = self.module
+        (x2, x1), record = _couple_forward(block, block.inverse_roles, ys[1], ys[0], extra, rng=block.preserve_rng_state)
+        return (x1, x2), record
+
+    def step_reverse(
+        self,
+        xs: State,
+        dxs: Grads,
+        record: Any,
+        params: Sequence[Tensor],
+        need_input_grad: bool,
+        extra: ExtraArgs = NO_ARGS,
+    ) -> StepResult:
+        r = _couple_reverse(
+            self.module.inverse_roles, (xs[1], xs[0]), (dxs[1], dxs[0]), record, params, need_input_grad, extra
+        )
+        return StepResult((r.inputs[1], r.inputs[0]), (r.grad_inputs[1], r.grad_inputs[0]), r.param_grads, r.extra_grads)
+
+
+# -- the two halves of the algorithm, for a block or its inverse -------------------------------
+
+
+def _couple_forward(
+    block: ReversibleBlock, roles: _Roles, x1: Tensor, x2: Tensor, extra: ExtraArgs, *, rng: bool
+) -> tuple[State, _CouplingRecord]:
+    """``y1 = c(x1, F(x2)); y2 = c(x2, G(y1))`` under the ambient grad mode."""
+    coupling = roles.coupling
+    rng_f = RngState.capture(x1.device) if rng else None
+    y1 = coupling.forward(x1, block.checked_call(roles.f, roles.f_name, x2, x1, extra))
+    rng_g = RngState.capture(x1.device) if rng else None
+    y2 = coupling.forward(x2, block.checked_call(roles.g, roles.g_name, y1, x2, extra))
+    coupling.check_range((y1, y2), block.describe())
+    return (y1, y2), _CouplingRecord(rng_f, rng_g)
+
+
+def _couple_reverse(
+    roles: _Roles,
+    ys: State,
+    dys: Grads,
+    record: Any,
+    params: Sequence[Tensor],
+    need_input_grad: bool,
+    extra: ExtraArgs,
+) -> StepResult:
+    """Rebuild ``(x1, x2)`` from ``(y1, y2)`` and backpropagate, building each graph once.
+
+    ``G`` runs once on ``y1`` building its graph: ``x2 = c⁻¹(y2, G(y1))`` is rebuilt and
+    ``dy2`` backpropagated through that graph; then ``F`` runs once on the rebuilt ``x2``
+    building its graph: ``x1 = c⁻¹(y1, F(x2))``, and ``dz1`` is backpropagated.
+    """
+    rng_f = record.rng_f if isinstance(record, _CouplingRecord) else None
+    rng_g = record.rng_g if isinstance(record, _CouplingRecord) else None
+    coupling = roles.coupling
+    y1, y2 = ys
+    dy1, dy2 = dys
+    params = list(params)
+    extra_wrt = [t for t in extra.tensors if t.requires_grad]
+    n_params = len(params)
+    # A gradient of None means "this output was not used": like plain autograd, the
+    # functions that only feed it then get no gradient (None, not zeros), and their graph
+    # is not built.
+    z1 = y1.detach().requires_grad_(dy2 is not None)
+    with replay(rng_g), torch.set_grad_enabled(dy2 is not None):
+        h_g = extra.call(roles.g, z1)
+    h_g_value = _detached(h_g)
+    with torch.no_grad():
+        x2 = coupling.inverse(y2, h_g_value)
+    dx2: Tensor | None = None
+    grads: list[Tensor | None] = [None] * (n_params + len(extra_wrt))
+    dz1 = dy1
+    if dy2 is not None:
+        dx2, dh_g = coupling.vjp(x2, h_g_value, dy2)
+        dz1_g, *grads = autograd_grads([h_g], [z1, *params, *extra_wrt], [dh_g])
+        dz1 = dz1_g if dy1 is None else _add(dy1, dz1_g)
+        del dh_g
+    del h_g, h_g_value
+
+    build_f = dz1 is not None
+    x2 = x2.detach().requires_grad_(need_input_grad and build_f)
+    with replay(rng_f), torch.set_grad_enabled(build_f):
+        h_f = extra.call(roles.f, x2)
+    h_f_value = _detached(h_f)
+    with torch.no_grad():
+        x1 = coupling.inverse(z1.detach(), h_f_value)
+    dx1: Tensor | None = None
+    if build_f:
+        dx1, dh_f = coupling.vjp(x1, h_f_value, dz1)  # type: ignore[arg-type]
+        f_inputs = [x2, *params, *extra_wrt] if need_input_grad else [*params, *extra_wrt]
+        f_grads = autograd_grads([h_f], f_inputs, [dh_f])
+        if need_input_grad:
+            dx2_f = f_grads.pop(0)
+            dx2 = dx2_f if dx2 is None else _add(dx2, dx2_f)
+        grads = [_sum(a, b) for a, b in zip(grads, f_grads)]
+    extra_grads = route_extra_grads(extra, grads[n_params:])
+    return StepResult((x1, x2.detach()), (dx1, dx2), grads[:n_params], extra_grads)
+
+
+def _explain_call_error(fn: nn.Module, fn_name: str, inp: Tensor, extra: ExtraArgs, err: Exception) -> None:
+    """Raise a clear error for the usual reasons ``F``/``G`` fails on its input; else return."""
+    tensors = [t for t in (*fn.parameters(), *fn.buffers()) if t.is_floating_point()]
+    dtypes = {t.dtype for t in tensors}
+    devices = {t.device for t in tensors}
+    autocast = torch.is_autocast_enabled(inp.device.type) if inp.device.type in ("cpu", "cuda") else False
+    if dtypes and inp.dtype not in dtypes and not autocast:
+        have = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise ReversibilityError(
+            f"{fn_name} has {have} parameters but the block's input is "
+            f"{str(inp.dtype).removeprefix('torch.')}: convert one to the other "
+            f"(model.to(torch.{str(inp.dtype).removeprefix('torch.')}) or "
+            f"x.to(torch.{sorted(str(d).removeprefix('torch.') for d in dtypes)[0]}))"
+        ) from err
+    if devices and inp.device not in devices:
+        raise ReversibilityError(
+            f"{fn_name} lives on {', '.join(sorted(map(str, devices)))} but the block's input is on "
+            f"{inp.device}: move both to one device (model.to(x.device))"
+        ) from err
+    if isinstance(err, TypeError) and extra and "positional argument" in str(err):
+        raise ReversibilityError(
+            f"{fn_name} does not take the extra arguments the block was called with "
+            f"({len(extra.args)} positional, {len(extra.kwargs or {})} keyword): a block passes "
+            f"everything after its input on to F and G. Give {fn_name}.forward those parameters, "
+            "or call a block on a pair as block((x1, x2)), not block(x1, x2)"
+        ) from err
 
 
 def _detached(h: FOut) -> FOut:

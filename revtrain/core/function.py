@@ -2,12 +2,15 @@
 
 One :class:`_ReversibleRun` covers a run of consecutive M-mode layers. Its forward runs them
 without building a graph (each layer's :meth:`~revtrain.core.step.ReversibleStep.step_forward`)
-and saves only the run's output. Its backward walks the layers in reverse and calls each
+and keeps only the run's output. Its backward walks the layers in reverse and calls each
 layer's :meth:`~revtrain.core.step.ReversibleStep.step_reverse`: rebuild the layer's input from
 its output while building the graph it needs once, backpropagate, hand the rebuilt input to the
 layer below. For a coupling block that is RevNet's Algorithm 1 (``F`` and ``G`` run once more
 each: about 4N in all, against 3N for plain autograd, never the 5N of "rebuild, then run the
 forward again").
+
+A run whose input is the complete output of another run takes that output over (see
+``core/handoff.py``): chained M-mode layers keep one output in all, in any container.
 
 The function knows layers only through the :class:`~revtrain.core.step.ReversibleStep`
 protocol. Nothing outlives a step: everything the backward needs lives on ``ctx``; the rebuilt
@@ -16,24 +19,41 @@ input of a layer is the output of the layer below and dies as soon as that layer
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from revtrain.core.checks import check_rebuilds, fingerprint
-from revtrain.core.replay import AutocastState, no_running_stat_updates
+from revtrain.core.arguments import NO_ARGS, ExtraArgs
+from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint, layout_of, norms
+from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
+from revtrain.core.replay import AutocastState, ModuleTensors, no_running_stat_updates
 from revtrain.core.sharding import unsharded
-from revtrain.core.step import ReversibleStep, State
+from revtrain.core.step import ReversibleStep, State, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
 
-__all__ = ["run_reversible", "check_state"]
+__all__ = ["run_reversible", "run_spec", "check_state"]
 
 
 def check_state(xs: State) -> None:
     """Raise a clear error when the tensors of a state cannot be mapped together."""
     first = xs[0]
+    for i, x in enumerate(xs):
+        if not isinstance(x, Tensor):
+            raise ReversibilityError(
+                f"reversible layers map tensors; input {i + 1} is a {type(x).__name__}. Pass a "
+                "tensor, or a tuple (x1, x2) of tensors for a block called on a pair"
+            )
+        if not (x.is_floating_point() or x.is_complex()):
+            raise ReversibilityError(
+                f"reversible layers map floating-point tensors; got a {x.dtype} input of shape "
+                f"{tuple(x.shape)}. Token ids or labels go through an embedding first "
+                "(nn.Embedding), other integer data through x.float()"
+            )
     for i, x in enumerate(xs[1:], start=2):
         if x.device != first.device or x.dtype != first.dtype:
             raise ReversibilityError(
@@ -43,30 +63,68 @@ def check_state(xs: State) -> None:
             )
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What one M-mode run is made of (everything but tensors)."""
+
+    layers: tuple[ReversibleStep, ...]
+    join_dim: int | None
+    param_lists: tuple[list[Tensor], ...]
+    n_state: int
+    extra: ExtraArgs
+    n_extra: int
+    module_tensors: tuple[ModuleTensors | None, ...]
+
+    def state_of(self, outputs: Sequence[Tensor]) -> State:
+        """The output state of the run from its output tensors."""
+        if self.join_dim is None:
+            return tuple(outputs)
+        return tuple(outputs[0].chunk(self.n_state, dim=self.join_dim))
+
+
 class _ReversibleRun(torch.autograd.Function):
     """Forward: a run of M-mode layers without a graph. Backward: rebuild and backpropagate."""
 
     @staticmethod
-    def forward(ctx, layers, join_dim, param_lists, n_state, *tensors):  # type: ignore[override]
-        xs: State = tensors[:n_state]
-        records: list[tuple[Any, Tensor | None]] = []
-        for layer in layers:
-            prints = fingerprint(xs) if layer.check_reconstruction else None
-            xs, record = layer.step_forward(xs)
-            records.append((record, prints))
-        ctx.layers = layers
+    def forward(ctx, run: _Run, *tensors):  # type: ignore[override]
+        xs: State = tensors[: run.n_state]
+        extra_in = tensors[run.n_state : run.n_state + run.n_extra]
+        extra = run.extra.with_tensors(extra_in) if run.n_extra else run.extra
+        layers = run.layers
+        records: list[Any] = []
+        prints: list[Tensor | None] = []
+        layouts: list[Any] = []
+        out_norms: list[Tensor | None] = []
+        for i, layer in enumerate(layers):
+            layouts.append(layout_of(xs) if layer.check_reconstruction else None)
+            prints.append(fingerprint(xs, layouts[-1]) if layer.check_reconstruction else None)
+            xs, record = layer.step_forward(xs, extra)
+            records.append(record)
+            next_checks = i + 1 < len(layers) and layers[i + 1].check_reconstruction
+            # A layer's output scale is the next layer's input fingerprint when there is one.
+            out_norms.append(norms(xs) if prints[-1] is not None and not next_checks else None)
+        for i in range(len(layers) - 1):
+            if prints[i] is not None and out_norms[i] is None:
+                out_norms[i] = prints[i + 1][:, 0]  # type: ignore[index]
+        ctx.run = run
         ctx.records = records
-        ctx.param_lists = param_lists
-        ctx.n_state = n_state
-        ctx.join_dim = join_dim
+        ctx.prints = prints
+        ctx.layouts = layouts
+        ctx.out_norms = out_norms
         ctx.autocast = AutocastState.capture(xs[0].device)
         ctx.set_materialize_grads(False)
-        if join_dim is None:
-            ctx.save_for_backward(*xs)
-            return xs if n_state > 1 else xs[0]
-        y = torch.cat(xs, dim=join_dim)
-        ctx.save_for_backward(y)
-        return y
+        outputs = xs if run.join_dim is None else (torch.cat(xs, dim=run.join_dim),)
+        # What run_reversible fills in after the call (see _register); a run called any other
+        # way (gradcheck) keeps its output plainly and is never taken over.
+        ctx.n_outputs = len(outputs)
+        ctx.kept_refs = None
+        ctx.taker = None
+        ctx.handoff = None
+        ctx.producer = None
+        # Detached aliases share the outputs' version counters (in-place edits stay visible)
+        # without the reference cycle that keeping an output on its own node would make.
+        ctx.save_for_backward(*(t.detach() for t in outputs), *extra_in)
+        return outputs if len(outputs) > 1 else outputs[0]
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -76,64 +134,267 @@ class _ReversibleRun(torch.autograd.Function):
                 "supported; run those blocks in C-mode (revtrain.set_modes(model, 'C')) when you "
                 "need higher-order gradients"
             )
-        try:
-            saved = ctx.saved_tensors
-        except RuntimeError as err:
-            if "inplace" not in str(err):
-                raise
-            raise ReconstructionError(
-                "the output of an M-mode reversible block was modified in place before backward, "
-                "so its input can no longer be rebuilt; use an out-of-place op on the block's "
-                "output (e.g. torch.relu(y) instead of y.relu_(), or nn.ReLU(inplace=False) right "
-                "after the block), or run that block in C-mode"
-            ) from err
-        n_state = ctx.n_state
-        if ctx.join_dim is None:
-            ys: State = tuple(t.detach() for t in saved)
+        run: _Run = ctx.run
+        saved = _saved(ctx)
+        ys = _output_state(ctx, saved)
+        ctx.handoff = None  # used: free it
+        if run.join_dim is None:
             dys: tuple[Tensor | None, ...] = grads
         else:
-            ys = saved[0].detach().chunk(n_state, dim=ctx.join_dim)
-            dys = (None,) * n_state if grads[0] is None else grads[0].chunk(n_state, dim=ctx.join_dim)
+            dys = (None,) * run.n_state if grads[0] is None else grads[0].chunk(run.n_state, dim=run.join_dim)
+        first_extra = 1 + run.n_state
+        extra = _live_extra(run, saved[ctx.n_outputs :], ctx.needs_input_grad[first_extra : first_extra + run.n_extra])
 
-        layers: Sequence[ReversibleStep] = ctx.layers
+        layers = run.layers
         n = len(layers)
         param_grads: list[list[Tensor | None]] = [[] for _ in range(n)]
+        extra_grads: list[Tensor | None] = [None] * run.n_extra
         checks = []
-        need_first = any(ctx.needs_input_grad[4 : 4 + n_state])
+        need_first = any(ctx.needs_input_grad[1:first_extra])
         # Backward runs with grad mode off; the rebuild needs graphs.
         with torch.enable_grad(), ctx.autocast.context():
             for i in reversed(range(n)):
                 layer = layers[i]
-                record, prints = ctx.records[i]
-                with no_running_stat_updates(*_modules(layer)), unsharded((layer,)):
-                    result = layer.step_reverse(ys, dys, record, ctx.param_lists[i], i > 0 or need_first)
+                with _as_in_forward(run, i):
+                    result = layer.step_reverse(
+                        ys, dys, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
+                    )
                 param_grads[i] = result.param_grads
-                if prints is not None:
+                if result.extra_grads:
+                    extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
+                if ctx.prints[i] is not None:
                     where = f"block {i} of a run of {n} M-mode blocks ({layer.describe()})"
-                    checks.append((layer, where, prints, fingerprint(result.inputs)))
+                    checks.append(
+                        RebuildCheck(
+                            layer, where, ctx.prints[i], fingerprint(result.inputs, ctx.layouts[i]),
+                            ctx.out_norms[i],
+                            getattr(layer, "output_names", None),
+                        )
+                    )
                 ys, dys = result.inputs, result.grad_inputs
+        _hand_over(ctx, ys)
         check_rebuilds(checks)
-        dxs = tuple(d if ctx.needs_input_grad[4 + k] else None for k, d in enumerate(dys))
+        dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(dys))
         flat = [g for layer_grads in param_grads for g in layer_grads]
-        return (None, None, None, None, *dxs, *flat)
+        return (None, *dxs, *extra_grads, *flat)
 
 
-def _modules(layer: object) -> tuple[nn.Module, ...]:
-    return (layer,) if isinstance(layer, nn.Module) else ()
+def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+def _as_in_forward(run: _Run, i: int) -> contextlib.ExitStack:
+    """The rebuild of layer ``i`` sees its modules as the forward did: same parameters and
+    buffers (``functional_call``), norm statistics not updated a second time."""
+    module = owner_module(run.layers[i])
+    tensors = run.module_tensors[i]
+    stack = contextlib.ExitStack()
+    # FSDP2-sharded layers are made whole first (core/sharding.py), as the forward saw them.
+    stack.enter_context(unsharded(run.layers[i : i + 1]))
+    if module is not None:
+        stack.enter_context(no_running_stat_updates(module))
+    if tensors is not None:
+        stack.enter_context(tensors.in_place())
+    return stack
+
+
+def _live_extra(run: _Run, saved_extra: Sequence[Tensor], needs_grad: Sequence[bool]) -> ExtraArgs:
+    """The extra arguments for the rebuild: detached tensors, requiring grad where needed."""
+    if not run.n_extra:
+        return run.extra
+    return run.extra.with_tensors([t.detach().requires_grad_(bool(g)) for t, g in zip(saved_extra, needs_grad)])
+
+
+# -- what the run kept -------------------------------------------------------------------------
+
+
+def _saved(ctx: Any) -> tuple[Tensor, ...]:
+    """The saved tensors, refusing any that were modified in place since the forward."""
+    try:
+        saved = ctx.saved_tensors
+    except RuntimeError as err:
+        if "inplace" not in str(err):
+            raise
+        raise ReconstructionError(_MODIFIED_OUTPUT) from err
+    holders = kept_tensors(ctx.kept_refs)
+    if not holders:
+        return saved
+    for k, holder in enumerate(holders):
+        if holder is None or not (holder.modified() or _alive_and_changed(ctx, k, holder)):
+            continue
+        if k < ctx.n_outputs:
+            raise ReconstructionError(_MODIFIED_OUTPUT)
+        raise ReconstructionError(
+            "a tensor passed to an M-mode reversible block as an extra argument for F and G "
+            "was modified in place before backward, so the rebuild cannot replay it; pass a "
+            "copy (mask.clone()) or modify it out of place"
+        )
+    return saved
+
+
+def _alive_and_changed(ctx: Any, k: int, holder: Any) -> bool:
+    """Version check through the caller's own tensor when outer hooks hold the saved copy."""
+    if holder.alias is not None or holder.dropped:
+        return False
+    refs, versions = ctx.input_refs, ctx.input_versions
+    t = refs[k]()
+    return t is not None and t._version != versions[k]
+
+
+_MODIFIED_OUTPUT = (
+    "the output of an M-mode reversible block was modified in place before backward, "
+    "so its input can no longer be rebuilt; use an out-of-place op on the block's "
+    "output (e.g. torch.relu(y) instead of y.relu_(), or nn.ReLU(inplace=False) right "
+    "after the block), or run that block in C-mode"
+)
+
+
+def _output_state(ctx: Any, saved: Sequence[Tensor]) -> State:
+    """The run's output state, from wherever it can be had (see ``core/handoff.py``)."""
+    run: _Run = ctx.run
+    if ctx.handoff is not None:
+        return ctx.handoff
+    holders = kept_tensors(ctx.kept_refs)[: ctx.n_outputs]
+    if ctx.kept_refs is None or (holders and all(h is not None and not h.dropped for h in holders)):
+        return run.state_of([t.detach() for t in saved[: ctx.n_outputs]])
+    alive = [ref() for ref in getattr(ctx, "output_refs", ())]
+    if alive and all(t is not None and t._version == v for t, v in zip(alive, ctx.output_versions)):
+        return run.state_of([t.detach() for t in alive])  # type: ignore[union-attr]
+    taker = ctx.taker() if ctx.taker is not None else None
+    if taker is not None:
+        return _from_taker(ctx, taker, _rebuild_input(taker))
+    raise ReconstructionError(
+        "the output of an M-mode run was taken over by the M-mode layer it fed (so that chained "
+        "blocks keep one output), but that layer is no longer part of any graph and nothing "
+        "else kept the output. Keep a reference to the output of the earlier block until "
+        "backward, or pass the later block a copy (block(y.clone())) so it does not take the "
+        "output over"
+    )
+
+
+def _from_taker(producer: Any, taker: Any, inputs: State) -> State:
+    """The taker's rebuilt input as the producer's output state."""
+    if taker.producer_link == "state":
+        return tuple(inputs)
+    value = taker.run.layers[0].from_state(tuple(inputs))
+    run: _Run = producer.run
+    if run.join_dim is not None:
+        return tuple(value.chunk(run.n_state, dim=run.join_dim))
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _hand_over(ctx: Any, inputs: State) -> None:
+    """Give the rebuilt input of the run to the run that produced it (it dropped its copy)."""
+    producer = ctx.producer
+    if producer is not None:
+        producer.handoff = _from_taker(producer, ctx, tuple(t.detach() for t in inputs))
+
+
+def _rebuild_input(node: Any) -> State:
+    """The input state of a run, rebuilt from its output without gradients (fallback path)."""
+    run: _Run = node.run
+    try:
+        saved = node.saved_tensors
+    except RuntimeError as err:
+        raise ReconstructionError(
+            "cannot rebuild the input of an M-mode run whose graph was already freed by a "
+            "backward pass; pass retain_graph=True to the earlier backward"
+        ) from err
+    extra_in = saved[node.n_outputs :]
+    extra = run.extra.with_tensors([t.detach() for t in extra_in]) if run.n_extra else run.extra
+    ys = _output_state(node, saved)
+    with torch.no_grad(), node.autocast.context():
+        for i in reversed(range(len(run.layers))):
+            with _as_in_forward(run, i):
+                result = run.layers[i].step_reverse(
+                    ys, (None,) * len(ys), node.records[i], run.param_lists[i], False, extra
+                )
+            ys = result.inputs
+    return ys
+
+
+# -- the entry point ---------------------------------------------------------------------------
 
 
 def run_reversible(
-    layers: Sequence[ReversibleStep], xs: State, join_dim: int | None
+    layers: Sequence[ReversibleStep],
+    xs: State,
+    join_dim: int | None,
+    extra: ExtraArgs = NO_ARGS,
+    source: Any = None,
 ) -> Tensor | State:
     """Run consecutive M-mode layers on the state ``xs``.
 
-    Returns the output state (one tensor for a one-tensor state), or, with ``join_dim``, the
-    state's tensors concatenated along it (saved once, inside the function).
+    Args:
+        layers: The layers, in order.
+        xs: The input state.
+        join_dim: None to return the output state (one tensor for a one-tensor state), or the
+            dimension to concatenate its tensors along (saved once, inside the function).
+        extra: Extra arguments for ``F`` and ``G`` of every layer.
+        source: What the caller was called with, when ``xs`` is just ``layers[0].to_state`` of
+            it: a run that produced exactly that is taken over (None: never).
     """
+    if torch._C._are_functorch_transforms_active():
+        raise ReversibilityError(
+            "M-mode reversible layers cannot run under torch.func transforms (grad, vmap, "
+            "jacrev, ...): their backward rebuilds inputs outside the transform. Run them in "
+            "C-mode for this call (revtrain.set_modes(model, 'C')); torch.func.functional_call "
+            "alone is supported in M-mode"
+        )
     # Parameters are inputs of the function so that autograd routes their gradients; the
     # lists are collected once here and reused by backward. FSDP2-sharded layers are made
     # whole first, so the lists hold the parameters F and G really use (core/sharding.py).
     with unsharded(layers):
-        param_lists = tuple(layer.step_params() for layer in layers)
-        params = [p for plist in param_lists for p in plist]
-        return _ReversibleRun.apply(tuple(layers), join_dim, param_lists, len(xs), *xs, *params)
+        run = run_spec(layers, len(xs), join_dim, extra)
+        params = [p for plist in run.param_lists for p in plist]
+        with keep_saved() as holders:
+            out = _ReversibleRun.apply(run, *xs, *extra.tensors, *params)
+    outputs = out if isinstance(out, tuple) else (out,)
+    node = outputs[0].grad_fn
+    if isinstance(node, _ReversibleRun._backward_cls):
+        _register(node, outputs, holders, xs, extra, source)
+    return out
+
+
+def run_spec(
+    layers: Sequence[ReversibleStep], n_state: int, join_dim: int | None = None, extra: ExtraArgs = NO_ARGS
+) -> _Run:
+    """The non-tensor first argument of ``_ReversibleRun.apply`` (the tensors follow: the
+    state, the extra arguments' tensors, then every layer's ``step_params()``)."""
+    owners = [owner_module(layer) for layer in layers]
+    return _Run(
+        layers=tuple(layers),
+        join_dim=join_dim,
+        param_lists=tuple(layer.step_params() for layer in layers),
+        n_state=n_state,
+        extra=extra,
+        n_extra=len(extra.tensors),
+        module_tensors=tuple(ModuleTensors.capture(m) if m is not None else None for m in owners),
+    )
+
+
+def _register(
+    node: Any, outputs: Sequence[Tensor], holders: list | None, xs: State, extra: ExtraArgs, source: Any
+) -> None:
+    node.kept_refs = [weakref.ref(h) for h in holders] if holders is not None else None
+    node.output_refs = [weakref.ref(t) for t in outputs]
+    node.output_versions = [t._version for t in outputs]
+    # What each saved tensor was (outputs, then extra arguments), for version checks when the
+    # caller's own saved-tensor hooks hold the copies.
+    node.input_refs = node.output_refs + [weakref.ref(t) for t in extra.tensors]
+    node.input_versions = node.output_versions + [t._version for t in extra.tensors]
+    if source is None or holders is None:
+        return
+    producer = find_producer(source, _ReversibleRun._backward_cls)
+    if producer is None:
+        return
+    sources = source if isinstance(source, (tuple, list)) else (source,)
+    node.producer_link = "state" if same_views(producer.run.state_of(sources), xs) else "value"
+    node.producer = producer
+    producer.taker = weakref.ref(node)
+    for holder in kept_tensors(producer.kept_refs)[: producer.n_outputs]:
+        if holder is not None:
+            holder.drop()  # the taker rebuilds it in backward
+

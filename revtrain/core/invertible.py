@@ -32,18 +32,29 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.function import check_state, run_reversible
 from revtrain.core.replay import RngState
-from revtrain.core.step import Grads, State, StepResult, autograd_grads
+from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads
 
-__all__ = ["Invertible", "Mode", "MODES", "normalize_mode", "trainable_params", "replay"]
+__all__ = [
+    "Invertible",
+    "InverseStep",
+    "Mode",
+    "MODES",
+    "normalize_mode",
+    "trainable_params",
+    "replay",
+    "generic_reverse",
+    "route_extra_grads",
+]
 
 Mode = Literal["M", "C"]
 MODES: tuple[str, ...] = ("M", "C")
@@ -149,41 +160,138 @@ class Invertible(nn.Module, abc.ABC):
 
     # -- the entry point ---------------------------------------------------------------------
 
-    def forward(self, x: Tensor) -> Any:
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """Map ``x``; extra arguments go to :meth:`forward_state` after the state."""
         xs = self.to_state(x)
         check_state(xs)
+        extra = ExtraArgs.of(args, kwargs)
         if self._mode == "M" and torch.is_grad_enabled():
-            return self.from_state(_as_state(run_reversible((self,), xs, join_dim=None)))
-        return self.from_state(self.forward_state(xs))
+            return self.from_state(_as_state(run_reversible((self,), xs, None, extra, source=x)))
+        return self.from_state(extra.call(self.forward_state, xs))
 
-    def inverse(self, y: Any) -> Any:
-        """Rebuild the input from the output, under the ambient autograd mode."""
-        return self.from_state(self.inverse_state(self.to_state(y)))
+    def inverse(self, y: Any, *args: Any, **kwargs: Any) -> Any:
+        """Rebuild the input from the output.
+
+        In M-mode with gradients enabled the inverse saves memory too (memcnn's
+        ``keep_input_inverse=False``): it keeps only its own output and rebuilds its input ``y``
+        in backward by running the forward. In C-mode it is plain autograd.
+        """
+        ys = self.to_state(y)
+        check_state(ys)
+        extra = ExtraArgs.of(args, kwargs)
+        if self._mode == "M" and torch.is_grad_enabled():
+            step = self.inverse_step()
+            return self.from_state(_as_state(run_reversible((step,), ys, None, extra, source=y)))
+        return self.from_state(extra.call(self.inverse_state, ys))
+
+    def inverse_step(self) -> ReversibleStep:
+        """This layer's inverse as a reversible step of its own (what M-mode ``inverse`` runs)."""
+        return InverseStep(self)
 
     # -- the reversible step (see revtrain.core.step.ReversibleStep) -------------------------
 
     def step_params(self) -> list[Tensor]:
         return trainable_params(self)
 
-    def step_forward(self, xs: State) -> tuple[State, Any]:
+    def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
         rng = RngState.capture(xs[0].device) if self.preserve_rng_state else None
-        return self.forward_state(xs), _GenericRecord(rng)
+        return extra.call(self.forward_state, xs), _GenericRecord(rng)
 
     def step_reverse(
-        self, ys: State, dys: Grads, record: Any, params: Sequence[Tensor], need_input_grad: bool
+        self,
+        ys: State,
+        dys: Grads,
+        record: Any,
+        params: Sequence[Tensor],
+        need_input_grad: bool,
+        extra: ExtraArgs = NO_ARGS,
     ) -> StepResult:
         """Generic rebuild: invert, then run the forward once more to build its graph."""
-        rng = record.rng if isinstance(record, _GenericRecord) else None
-        with torch.no_grad():
-            xs = tuple(x.detach() for x in self.inverse_state(ys))
-        inputs = tuple(x.requires_grad_(need_input_grad) for x in xs)
-        with replay(rng):
-            outs = self.forward_state(inputs)
-        wrt = [*inputs, *params] if need_input_grad else list(params)
-        grads = autograd_grads(list(outs), wrt, list(dys))
-        n = len(inputs) if need_input_grad else 0
-        dxs = tuple(grads[:n]) if need_input_grad else (None,) * len(inputs)
-        return StepResult(tuple(x.detach() for x in inputs), dxs, grads[n:])
+        return generic_reverse(self.forward_state, self.inverse_state, ys, dys, record, params, need_input_grad, extra)
+
+
+class InverseStep:
+    """The inverse of an :class:`Invertible` as a reversible step: its forward is the layer's
+    inverse, its rebuild runs the layer's forward (generic: rebuild, then build the graph of the
+    inverse once more and differentiate it)."""
+
+    def __init__(self, layer: Invertible) -> None:
+        self.module = layer
+
+    @property
+    def check_reconstruction(self) -> bool:
+        return self.module.check_reconstruction
+
+    @property
+    def drift_tolerance(self) -> float:
+        return self.module.drift_tolerance
+
+    @property
+    def drift_action(self) -> str:
+        return self.module.drift_action
+
+    def step_params(self) -> list[Tensor]:
+        return self.module.step_params()
+
+    def step_forward(self, ys: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
+        rng = RngState.capture(ys[0].device) if self.module.preserve_rng_state else None
+        return extra.call(self.module.inverse_state, ys), _GenericRecord(rng)
+
+    def step_reverse(
+        self,
+        xs: State,
+        dxs: Grads,
+        record: Any,
+        params: Sequence[Tensor],
+        need_input_grad: bool,
+        extra: ExtraArgs = NO_ARGS,
+    ) -> StepResult:
+        layer = self.module
+        return generic_reverse(layer.inverse_state, layer.forward_state, xs, dxs, record, params, need_input_grad, extra)
+
+    def to_state(self, value: Any) -> State:
+        return self.module.to_state(value)
+
+    def from_state(self, state: State) -> Any:
+        return self.module.from_state(state)
+
+    def describe(self) -> str:
+        return f"inverse of {self.module.describe()}"
+
+
+def generic_reverse(
+    forward_fn: Callable[..., State],
+    inverse_fn: Callable[..., State],
+    ys: State,
+    dys: Grads,
+    record: Any,
+    params: Sequence[Tensor],
+    need_input_grad: bool,
+    extra: ExtraArgs,
+) -> StepResult:
+    """Rebuild ``xs = inverse_fn(ys)`` without a graph, run ``forward_fn(xs)`` once more with
+    one, and backpropagate ``dys`` through it."""
+    rng = record.rng if isinstance(record, _GenericRecord) else None
+    with torch.no_grad():
+        xs = tuple(x.detach() for x in extra.call(inverse_fn, ys))
+    inputs = tuple(x.requires_grad_(need_input_grad) for x in xs)
+    with replay(rng):
+        outs = extra.call(forward_fn, inputs)
+    extra_wrt = [t for t in extra.tensors if t.requires_grad]
+    wrt = [*inputs, *params, *extra_wrt] if need_input_grad else [*params, *extra_wrt]
+    grads = autograd_grads(list(outs), wrt, list(dys))
+    n = len(inputs) if need_input_grad else 0
+    dxs = tuple(grads[:n]) if need_input_grad else (None,) * len(inputs)
+    param_grads = grads[n : n + len(params)]
+    return StepResult(tuple(x.detach() for x in inputs), dxs, param_grads, route_extra_grads(extra, grads[n + len(params) :]))
+
+
+def route_extra_grads(extra: ExtraArgs, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Gradients of the extra tensors that require grad, spread over all extra tensors."""
+    if not extra:
+        return []
+    it = iter(grads)
+    return [next(it) if t.requires_grad else None for t in extra.tensors]
 
 
 def _as_state(value: Tensor | State) -> State:

@@ -10,9 +10,11 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from revtrain.core.block import ReversibleBlock
+from revtrain.core.coupling import AdditiveCoupling, ExactAdditiveCoupling
 from revtrain.core.invertible import Invertible, Mode, normalize_mode
 
-__all__ = ["reversible_blocks", "set_modes", "get_modes"]
+__all__ = ["reversible_blocks", "set_modes", "get_modes", "use_exact_couplings"]
 
 
 def reversible_blocks(model: nn.Module) -> list[tuple[str, Invertible]]:
@@ -51,3 +53,26 @@ def set_modes(model: nn.Module, modes: str | Mapping[str, str]) -> dict[str, Mod
     for name, mode in normalized.items():
         blocks[name].mode = mode
     return get_modes(model)
+
+
+def use_exact_couplings(model: nn.Module, fraction_bits: int = 12) -> int:
+    """Put every additive coupling block of ``model`` on a fixed-point grid (exact rebuilds).
+
+    Each :class:`~revtrain.core.ReversibleBlock` with an additive coupling gets an
+    :class:`~revtrain.core.ExactAdditiveCoupling` with ``fraction_bits``; the network becomes
+    its quantised twin (activations rounded to multiples of ``2**-fraction_bits``), whose
+    M-mode gradients equal its C-mode gradients bit for bit. Returns the number of blocks
+    changed. Raises ``ValueError`` before changing anything if a block uses another coupling
+    (affine couplings multiply, which no fixed-point grid keeps exact).
+    """
+    blocks = [m for _, m in reversible_blocks(model) if isinstance(m, ReversibleBlock)]
+    others = [type(b.coupling).__name__ for b in blocks if not isinstance(b.coupling, AdditiveCoupling)]
+    if others:
+        raise ValueError(
+            f"exact couplings replace additive ones only; this model has {len(others)} block(s) "
+            f"with {sorted(set(others))}. Affine couplings multiply, which no fixed-point grid "
+            "keeps exact: use float64 for those, or additive couplings"
+        )
+    for block in blocks:
+        block.coupling = ExactAdditiveCoupling(fraction_bits)
+    return len(blocks)

@@ -1,13 +1,17 @@
 """State that a rebuild in backward must reproduce or leave alone.
 
-Three things differ between running ``F`` in the forward pass and running it again in
+Four things can differ between running ``F`` in the forward pass and running it again in
 backward, and each is handled here:
 
 - random numbers (dropout): :class:`RngState` captures the generators before ``F`` runs and
   replays them around the rebuild, then puts the generators back as they were;
 - autocast: :class:`AutocastState` records the forward's autocast settings and re-enters them;
 - batch-norm running statistics: :func:`no_running_stat_updates` keeps the rebuild from
-  updating them a second time, without writing to them.
+  updating them a second time, without writing to them;
+- the parameters and buffers themselves: ``torch.func.functional_call`` (meta-learning,
+  ensembling) swaps substitute tensors into the modules for the forward only, so backward would
+  otherwise rebuild with the module's own tensors. :class:`ModuleTensors` records the tensors the
+  forward ran with and puts them back in place for the rebuild.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["RngState", "AutocastState", "no_running_stat_updates"]
+__all__ = ["RngState", "AutocastState", "ModuleTensors", "no_running_stat_updates"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +114,32 @@ def no_running_stat_updates(*modules: nn.Module) -> Iterator[None]:
     finally:
         for m in norms:
             m.track_running_stats = True
+
+
+@dataclass(frozen=True)
+class ModuleTensors:
+    """The parameters and buffers every submodule of a module held when the forward ran."""
+
+    entries: tuple[tuple[dict[str, Any], str, Tensor | None], ...]
+    """``(module._parameters or module._buffers, name, tensor)`` for each tensor."""
+
+    @classmethod
+    def capture(cls, module: nn.Module) -> ModuleTensors:
+        entries = []
+        for m in module.modules():
+            entries.extend((m._parameters, name, t) for name, t in m._parameters.items())
+            entries.extend((m._buffers, name, t) for name, t in m._buffers.items())
+        return cls(tuple(entries))
+
+    @contextlib.contextmanager
+    def in_place(self) -> Iterator[None]:
+        """Run the body with the recorded tensors in the modules (a no-op when nothing was
+        swapped since the forward, the usual case); put the current ones back afterwards."""
+        swapped = [(d, name, t, d.get(name)) for d, name, t in self.entries if d.get(name) is not t]
+        for d, name, t, _ in swapped:
+            d[name] = t
+        try:
+            yield
+        finally:
+            for d, name, _, now in swapped:
+                d[name] = now

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from revtrain.core.block import ReversibleBlock, split_halves
+from revtrain.core.arguments import NO_ARGS, ExtraArgs
+from revtrain.core.block import ReversibleBlock
 from revtrain.core.function import check_state, run_reversible
 from revtrain.core.step import Grads, State, StepResult
 
@@ -21,7 +22,8 @@ class ReversibleSequence(nn.Module):
     Consecutive M-mode blocks run as one autograd function that keeps only the output of the
     last of them, so the activation memory of an all-M stack does not grow with depth.
     C-mode blocks between them run as ordinary layers. The sequence itself is reversible and
-    mixes with ordinary layers in ``nn.Sequential``.
+    mixes with ordinary layers in ``nn.Sequential``. Call it like a block: on one tensor or a
+    pair ``(x1, x2)``, with further arguments passed to every ``F`` and ``G``.
 
     A sequence is itself a reversible step (:class:`~revtrain.core.step.ReversibleStep`), so
     :func:`~revtrain.core.reverse_step` can rebuild and backpropagate through all its blocks at
@@ -64,35 +66,53 @@ class ReversibleSequence(nn.Module):
     def __getitem__(self, index: int) -> ReversibleBlock:
         return self.blocks[index]  # type: ignore[return-value]
 
-    def forward(self, x: Tensor, x2: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        pair = x2 is not None
-        x1, x2 = (x, x2) if pair else split_halves(x, self.split_dim)
-        check_state((x1, x2))
+    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run the blocks on ``x`` (one tensor, or a pair ``(x1, x2)``); further arguments go to
+        every block's ``F`` and ``G``."""
+        return self._run(x, args, kwargs, inverse=False)
+
+    def inverse(self, y: Any, *args: Any, **kwargs: Any) -> Any:
+        """Rebuild the input from the output, block by block in reverse; M-mode blocks keep
+        only their last output here too (see ``ReversibleBlock.inverse``)."""
+        return self._run(y, args, kwargs, inverse=True)
+
+    def _run(self, value: Any, args: tuple, kwargs: dict, *, inverse: bool) -> Any:
+        pair = isinstance(value, (tuple, list))
+        xs = self.to_state(value)
+        check_state(xs)
+        extra = ExtraArgs.of(args, kwargs)
         blocks: list[ReversibleBlock] = list(self.blocks)  # type: ignore[arg-type]
+        if inverse:
+            blocks.reverse()
         grad = torch.is_grad_enabled()
+        source: Any = value
         i, n = 0, len(blocks)
         while i < n:
-            if grad and blocks[i].mode == "M":
-                j = i
-                while j < n and blocks[j].mode == "M":
-                    j += 1
-                if j == n and not pair:
-                    # The last run concatenates inside the function: one saved copy of the output.
-                    return run_reversible(blocks[i:j], (x1, x2), join_dim=self.split_dim)  # type: ignore[return-value]
-                x1, x2 = run_reversible(blocks[i:j], (x1, x2), join_dim=None)  # type: ignore[misc]
-                i = j
-            else:
-                x1, x2 = blocks[i](x1, x2)
+            if not (grad and blocks[i].mode == "M"):
+                step = blocks[i].inverse if inverse else blocks[i]
+                source = step(tuple(xs), *args, **kwargs)
+                xs = source
                 i += 1
-        return (x1, x2) if pair else torch.cat([x1, x2], dim=self.split_dim)
-
-    def inverse(self, y: Tensor, y2: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
-        """Rebuild the input from the output, block by block in reverse."""
-        pair = y2 is not None
-        y1, y2 = (y, y2) if pair else split_halves(y, self.split_dim)
-        for block in reversed(self.blocks):
-            y1, y2 = block.inverse_pair(y1, y2)  # type: ignore[operator]
-        return (y1, y2) if pair else torch.cat([y1, y2], dim=self.split_dim)
+                continue
+            j = i
+            while j < n and blocks[j].mode == "M":
+                j += 1
+            xs, source = blocks[i].coupling.prepare_input(tuple(xs), source)
+            steps = [b.inverse_step() if inverse else b for b in blocks[i:j]]
+            if j == n and not pair:
+                # The last run concatenates inside the function: one saved copy of the output.
+                out = run_reversible(steps, xs, self.split_dim, extra, source)
+                blocks[j - 1].coupling.mark_output(out)
+                return out
+            source = run_reversible(steps, xs, None, extra, source)
+            blocks[j - 1].coupling.mark_output(source)
+            xs = source
+            i = j
+        if pair:
+            return tuple(xs)
+        out = torch.cat(list(xs), dim=self.split_dim)
+        blocks[-1].coupling.mark_output(out)
+        return out
 
     # -- the reversible step over all blocks (for revtrain.core.reverse_step) ------------------
 
@@ -106,39 +126,51 @@ class ReversibleSequence(nn.Module):
                     out.append(p)
         return out
 
-    def step_forward(self, xs: State) -> tuple[State, Any]:
+    def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
         records = []
         for block in self.blocks:
-            xs, record = block.step_forward(xs)  # type: ignore[operator]
+            xs, record = block.step_forward(xs, extra)  # type: ignore[operator]
             records.append(record)
         return xs, records
 
     def step_reverse(
-        self, ys: State, dys: Grads, record: Any, params: Sequence[Tensor], need_input_grad: bool
+        self,
+        ys: State,
+        dys: Grads,
+        record: Any,
+        params: Sequence[Tensor],
+        need_input_grad: bool,
+        extra: ExtraArgs = NO_ARGS,
     ) -> StepResult:
         index = {id(p): k for k, p in enumerate(params)}
         grads: list[Tensor | None] = [None] * len(params)
+        extra_grads: list[Tensor | None] = [None] * len(extra.tensors)
         blocks = list(self.blocks)
         for i in reversed(range(len(blocks))):
             block = blocks[i]
             block_params = block.step_params()  # type: ignore[operator]
             result = block.step_reverse(  # type: ignore[operator]
-                ys, dys, record[i] if record is not None else None, block_params, i > 0 or need_input_grad
+                ys, dys, record[i] if record is not None else None, block_params, i > 0 or need_input_grad, extra
             )
             for p, g in zip(block_params, result.param_grads):
                 k = index[id(p)]
                 if g is not None:
                     grads[k] = g if grads[k] is None else grads[k] + g  # type: ignore[operator]
+            extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)] if result.extra_grads else extra_grads
             ys, dys = result.inputs, result.grad_inputs
-        return StepResult(ys, dys, grads)
+        return StepResult(ys, dys, grads, extra_grads)
 
     def to_state(self, value: Any) -> State:
-        if isinstance(value, (tuple, list)):
-            return tuple(value)
-        return split_halves(value, self.split_dim)
+        return self.blocks[0].to_state(value)  # type: ignore[operator]
 
     def from_state(self, state: State) -> Any:
         return torch.cat(list(state), dim=self.split_dim)
 
     def describe(self) -> str:
         return f"ReversibleSequence of {len(self.blocks)} blocks"
+
+
+def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    if a is None:
+        return b
+    return a if b is None else a + b

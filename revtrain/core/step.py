@@ -10,24 +10,27 @@ stage-parallel training (PETRA) calls outside any autograd graph.
 A layer's *state* is a tuple of tensors: ``(x1, x2)`` for a coupling block, ``(x,)`` for a
 single-tensor invertible layer. ``step_forward`` maps input state to output state without
 building a graph and returns a *record*: whatever the layer's rebuild needs from the forward
-(random generator states for dropout replay, the parameters it ran with). ``step_reverse``
-takes the output state, its gradient and the record, rebuilds the input state while building
-the graph it needs once, and returns the input state, its gradient and the parameter gradients.
+(random generator states for dropout replay). ``step_reverse`` takes the output state, its
+gradient and the record, rebuilds the input state while building the graph it needs once, and
+returns the input state, its gradient and the parameter gradients. Both take the layer's
+:class:`~revtrain.core.arguments.ExtraArgs` (what the caller passed besides the state, handed on
+to ``F`` and ``G``); ``step_reverse`` also returns the gradients of the tensors among them.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, Union
 
 import torch
 from torch import Tensor, nn
 
+from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.replay import AutocastState, no_running_stat_updates
 
-__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads"]
+__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module"]
 
 State = tuple[Tensor, ...]
 """The tensors a reversible layer maps: ``(x1, x2)`` for coupling blocks, ``(x,)`` otherwise."""
@@ -46,6 +49,9 @@ class StepResult:
     """The gradient of the loss with respect to each input tensor (None where not needed)."""
     param_grads: list[Tensor | None]
     """Gradients of the layer's :meth:`ReversibleStep.step_params`, in the same order."""
+    extra_grads: list[Tensor | None] = field(default_factory=list)
+    """Gradients of the tensors of the extra arguments (``ExtraArgs.tensors`` order); empty
+    when the layer got none."""
 
 
 class ReversibleStep(Protocol):
@@ -68,12 +74,18 @@ class ReversibleStep(Protocol):
         """The trainable tensors this layer's output depends on, in a fixed order."""
         ...
 
-    def step_forward(self, xs: State) -> tuple[State, Any]:
+    def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
         """Compute the output state without a graph; return it and the record backward needs."""
         ...
 
     def step_reverse(
-        self, ys: State, dys: Grads, record: Any, params: Sequence[Tensor], need_input_grad: bool
+        self,
+        ys: State,
+        dys: Grads,
+        record: Any,
+        params: Sequence[Tensor],
+        need_input_grad: bool,
+        extra: ExtraArgs = NO_ARGS,
     ) -> StepResult:
         """Rebuild the input state from ``ys`` and backpropagate ``dys`` through the layer.
 
@@ -81,7 +93,9 @@ class ReversibleStep(Protocol):
         returned, or ``None`` (no replay of random generators: e.g. PETRA, whose backward runs
         with parameters that changed since the forward). ``params`` are the tensors to
         differentiate with respect to (what :meth:`step_params` returned at forward time).
-        ``need_input_grad=False`` lets a layer skip the gradient of its input.
+        ``need_input_grad=False`` lets a layer skip the gradient of its input. ``extra`` holds
+        the forward's extra arguments; the gradients of its tensors that require grad go to
+        :attr:`StepResult.extra_grads`.
         """
         ...
 
@@ -96,6 +110,15 @@ class ReversibleStep(Protocol):
     def describe(self) -> str:
         """A short description for error messages."""
         ...
+
+
+def owner_module(layer: object) -> nn.Module | None:
+    """The module whose parameters, buffers and norm layers a step uses: the layer itself, or
+    the ``module`` a step object works for (e.g. the inverse of a block)."""
+    if isinstance(layer, nn.Module):
+        return layer
+    module = getattr(layer, "module", None)
+    return module if isinstance(module, nn.Module) else None
 
 
 def autograd_grads(
@@ -129,6 +152,8 @@ def reverse_step(
     outputs: Any,
     grad_outputs: Any,
     *,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
     record: Any = None,
     accumulate: bool = True,
     update_running_stats: bool = False,
@@ -145,6 +170,9 @@ def reverse_step(
         outputs: The layer's output as the layer returns it (one tensor, or a pair for blocks
             called on pairs); used detached.
         grad_outputs: ``dL/d outputs``, the same structure (None entries mean "unused").
+        args: Extra positional arguments the forward passed on to ``F`` and ``G`` (masks,
+            positions); tensors among them are treated as constants here (no gradient).
+        kwargs: Extra keyword arguments, likewise.
         record: The record of the forward that produced ``outputs`` (replays its random
             numbers); None to run the rebuild with the generators as they are.
         accumulate: Add the parameter gradients into ``p.grad`` (like ``backward()``);
@@ -163,11 +191,15 @@ def reverse_step(
         dys = tuple(grad_outputs)
     else:
         dys = tuple(layer.to_state(grad_outputs))
+    extra = ExtraArgs.of(args, kwargs or {})
+    if extra:
+        extra = extra.with_tensors([t.detach() for t in extra.tensors])
     params = layer.step_params()
-    frozen = () if update_running_stats or not isinstance(layer, nn.Module) else (layer,)
+    module = owner_module(layer)
+    frozen = () if update_running_stats or module is None else (module,)
     with torch.enable_grad(), autocast.context() if autocast else contextlib.nullcontext(), \
             no_running_stat_updates(*frozen):
-        result = layer.step_reverse(ys, dys, record, params, True)
+        result = layer.step_reverse(ys, dys, record, params, True, extra)
     if accumulate:
         with torch.no_grad():
             for p, g in zip(params, result.param_grads):

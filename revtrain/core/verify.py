@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from revtrain.core.arguments import ExtraArgs
 from revtrain.core.invertible import Invertible
 from revtrain.core.modes import reversible_blocks
 from revtrain.core.replay import RngState, no_running_stat_updates
@@ -94,20 +95,24 @@ def verify_invertible(
     report = VerificationReport()
     pending: dict[int, tuple[RngState, tuple[Tensor, ...]]] = {}
 
-    def before(layer: Invertible, args: tuple) -> None:
-        xs = layer.to_state(args if len(args) > 1 else args[0])
-        pending[id(layer)] = (RngState.capture(xs[0].device), tuple(x.detach().clone() for x in xs))
+    def before(layer: Invertible, args: tuple, kwargs: dict) -> None:
+        xs = layer.to_state(args[0])
+        coupling = getattr(layer, "coupling", None)
+        if coupling is not None:  # what the block really maps (an exact coupling quantises)
+            xs, _ = coupling.prepare_input(tuple(xs), None)
+        extra = ExtraArgs.of(args[1:], kwargs)
+        pending[id(layer)] = (RngState.capture(xs[0].device), tuple(x.detach().clone() for x in xs), extra)
 
-    def after(layer: Invertible, args: tuple, output: Any) -> None:
-        rng, xs = pending.pop(id(layer))
+    def after(layer: Invertible, args: tuple, kwargs: dict, output: Any) -> None:
+        rng, xs, extra = pending.pop(id(layer))
         ys = tuple(y.detach() for y in layer.to_state(output))
         # Rebuild exactly as backward does: the forward's record (its generator states) comes
         # from running the layer's step once more with the generators it started from; then
         # the layer's own reverse step rebuilds the input (no gradient asked for).
         with rng.replay(), no_running_stat_updates(layer):
-            _, record = layer.step_forward(xs)
+            _, record = layer.step_forward(xs, extra)
         with no_running_stat_updates(layer):
-            result = layer.step_reverse(ys, (None,) * len(ys), record, layer.step_params(), False)
+            result = layer.step_reverse(ys, (None,) * len(ys), record, layer.step_params(), False, extra)
         err, scale = 0.0, 0.0
         for real, rebuilt in zip(xs, result.inputs):
             diff = (real.double() - rebuilt.double()).abs()
@@ -123,8 +128,8 @@ def verify_invertible(
     cpu_rng = torch.get_rng_state()
     handles = []
     for _, block in reversible_blocks(module):
-        handles.append(block.register_forward_pre_hook(before))
-        handles.append(block.register_forward_hook(after))
+        handles.append(block.register_forward_pre_hook(before, with_kwargs=True))
+        handles.append(block.register_forward_hook(after, with_kwargs=True))
     try:
         with torch.no_grad():
             args = example_input if isinstance(example_input, tuple) else (example_input,)

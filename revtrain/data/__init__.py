@@ -7,9 +7,10 @@ One call builds everything a training run needs::
 
 Datasets: ``"digits"`` (scikit-learn's bundled digits, offline, the default), ``"cifar10"`` and
 ``"cifar100"`` (python batches in a local folder), ``"synthetic"`` (seeded random data of any
-shape). The loaders are :class:`ResumableLoader`: batch ``b`` of epoch ``e`` depends only on
-``(seed, e, b)``, and ``state_dict()`` / ``load_state_dict()`` restore the exact position after a
-checkpoint; see :mod:`revtrain.data.loader` for the trainer loop.
+shape), ``"text"`` (bytes of local text files, by default the Python standard library's
+sources; see :mod:`revtrain.data.text`). The loaders are :class:`ResumableLoader`: batch ``b``
+of epoch ``e`` depends only on ``(seed, e, b)``, and ``state_dict()`` / ``load_state_dict()``
+restore the exact position after a checkpoint; see :mod:`revtrain.data.loader` for the trainer loop.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from revtrain.data.digits import build_digits, load_digits_split
 from revtrain.data.errors import DatasetError, DatasetFormatError, DatasetNotFoundError
 from revtrain.data.loader import DatasetInfo, DatasetSplits, InMemoryDataset, ResumableLoader, derive_seed
 from revtrain.data.synthetic import build_synthetic, make_synthetic
+from revtrain.data.text import ByteWindows, build_text, load_corpus
 from revtrain.data.transforms import BatchTransform
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "build_dataloaders",
     "build_datasets",
     "BatchTransform",
+    "ByteWindows",
     "CifarArrays",
     "DatasetError",
     "DatasetFormatError",
@@ -47,15 +50,17 @@ __all__ = [
     "build_cifar100",
     "build_digits",
     "build_synthetic",
+    "build_text",
     "default_data_dir",
     "derive_seed",
     "load_cifar10",
     "load_cifar100",
+    "load_corpus",
     "load_digits_split",
     "make_synthetic",
 ]
 
-DATASETS = ("digits", "cifar10", "cifar100", "synthetic")
+DATASETS = ("digits", "cifar10", "cifar100", "synthetic", "text")
 """Names accepted by :func:`build_dataloaders` (the CLI's ``--dataset`` choices)."""
 
 
@@ -70,6 +75,7 @@ def build_datasets(
     train_size: int | None = None,
     test_size: int | None = None,
     seed: int = 0,
+    context: int | None = None,
 ) -> DatasetSplits:
     """Build the train and test splits of a dataset by name; arguments as in :func:`build_dataloaders`."""
     key = name.lower().replace("-", "").replace("_", "")
@@ -83,6 +89,12 @@ def build_datasets(
         given = [k for k, v in synthetic_only.items() if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)} only apply to the 'synthetic' dataset, not {name!r}")
+    if key == "text":
+        if image_size is not None:
+            raise ValueError("image_size does not apply to the 'text' dataset; its samples are set by context")
+        return build_text(data_dir, context=context or 128, augment=True if augment is None else augment)
+    if context is not None:
+        raise ValueError(f"context only applies to the 'text' dataset, not {name!r}")
     if key == "digits":
         return build_digits(image_size=image_size or 8, augment=bool(augment))
     if key in ("cifar10", "cifar100"):
@@ -122,20 +134,23 @@ def build_dataloaders(
     num_classes: int | None = None,
     train_size: int | None = None,
     test_size: int | None = None,
+    context: int | None = None,
 ) -> tuple[ResumableLoader, ResumableLoader, DatasetInfo]:
     """Build the train and test loaders of a dataset.
 
     Args:
-        name: ``"digits"``, ``"cifar10"``, ``"cifar100"`` or ``"synthetic"``.
+        name: ``"digits"``, ``"cifar10"``, ``"cifar100"``, ``"synthetic"`` or ``"text"``.
         batch_size: Training batch size.
         eval_batch_size: Test batch size; defaults to ``batch_size``.
         data_dir: Folder holding the CIFAR archives' extracted folders; defaults to
-            ``$REVTRAIN_DATA_DIR`` or ``./data``. Unused by digits and synthetic.
+            ``$REVTRAIN_DATA_DIR`` or ``./data``. Text: a file or folder of text files
+            (default: the Python standard library's sources). Unused by digits and synthetic.
         num_workers: Worker processes per loader; 0 builds batches in the calling process.
         seed: Seeds the training order and augmentation (and the synthetic data). The digits
             train/test split is fixed and does not depend on it.
         augment: Training augmentation; ``None`` takes the dataset's default (CIFAR: crop and
-            flip on; digits: off, ``True`` turns on one-pixel shifts; synthetic: none).
+            flip on; digits: off, ``True`` turns on one-pixel shifts; synthetic: none; text: random
+            window offsets, on).
         image_size: Side of the images: digits are upsampled to it (default 8); CIFAR only
             accepts 32; synthetic uses ``(3, image_size, image_size)``.
         drop_last: Drop the last, smaller training batch.
@@ -144,6 +159,7 @@ def build_dataloaders(
         num_classes: Synthetic only: number of classes (default 10).
         train_size: Synthetic only: training examples (default 1024).
         test_size: Synthetic only: test examples (default 256).
+        context: Text only: tokens per sample, the model's sequence length (default 128).
 
     Returns:
         ``(train_loader, test_loader, info)``. The train loader shuffles and augments; the test
@@ -164,6 +180,7 @@ def build_dataloaders(
         train_size=train_size,
         test_size=test_size,
         seed=seed,
+        context=context,
     )
     train = ResumableLoader(
         splits.train,

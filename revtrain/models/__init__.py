@@ -1,13 +1,14 @@
-"""The model zoo: RevNets and their ResNet twins, behind one registry.
+"""The model zoo: RevNets, reversible Transformers and their plain twins, behind one registry.
 
-``create_model(name, num_classes=..., in_channels=...)`` builds any of them and
-``list_models("revnet*")`` lists them; see ``docs/models.md`` for the architectures, the
+``create_model(name, num_classes=..., in_channels=...)`` builds any image model
+(``create_model(name, context=...)`` a language model) and ``list_models("revnet*")`` lists
+them; see ``docs/models.md`` for the architectures, the
 choices where the papers are ambiguous and the parameter counts against the papers. Models
 are plain PyTorch: set memory modes from outside with :func:`revtrain.core.set_modes`.
 """
 
 # Importing the model files registers their variants.
-from revtrain.models import resnet, revnet, revnet_single_branch  # noqa: F401
+from revtrain.models import resnet, resnext, revnet, revnet_single_branch, transformer, vit  # noqa: F401
 from revtrain.models.revnet_single_branch import PetraRevNet
 from revtrain.models.inputs import InputSpec, image_input, token_input
 from revtrain.models.registry import (
@@ -22,6 +23,8 @@ from revtrain.models.registry import (
 )
 from revtrain.models.resnet import PreActResNet, ResNet
 from revtrain.models.revnet import RevNet
+from revtrain.models.transformer import RevTransformerLM, TransformerConfig, TransformerLM
+from revtrain.models.vit import RevViT, ViT, ViTConfig
 
 __all__ = [
     "InputSpec",
@@ -30,6 +33,12 @@ __all__ = [
     "PreActResNet",
     "ResNet",
     "RevNet",
+    "RevTransformerLM",
+    "RevViT",
+    "TransformerConfig",
+    "TransformerLM",
+    "ViT",
+    "ViTConfig",
     "count_params",
     "create_model",
     "example_batch",

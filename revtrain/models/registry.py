@@ -136,11 +136,15 @@ def list_models(pattern: str = "*") -> list[str]:
 
 
 def model_info(name: str) -> ModelInfo:
-    """The :class:`ModelInfo` of a registered model; unknown names raise ``ValueError``."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(_unknown_message(name)) from None
+    """The :class:`ModelInfo` of a registered model; unknown names raise ``ValueError``.
+
+    Dashes read as underscores (``"revformer-small"`` is ``revformer_small``): names are
+    Python function names, and command lines read better with dashes.
+    """
+    info = _REGISTRY.get(name) or _REGISTRY.get(name.replace("-", "_"))
+    if info is None:
+        raise ValueError(_unknown_message(name))
+    return info
 
 
 def create_model(name: str, **overrides: object) -> nn.Module:

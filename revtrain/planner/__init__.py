@@ -1,62 +1,65 @@
 """The planner: choose per reversible block between M-mode (memory) and C-mode (speed).
 
-Stages (Jiang et al. 2021, §3.3): verify, profile, solve, apply.
+The paper's four stages (Jiang et al. 2021, §3.3), one file each:
 
-* :func:`plan_for_model` runs them end to end (``plan.apply(model)`` is stage 4);
-* :mod:`~revtrain.planner.profile` measures ``t_e``, ``m`` and ``m_o`` (stage 2),
-  :mod:`~revtrain.planner.measure` whole training steps, :mod:`~revtrain.planner.budget` reads
-  budgets such as ``"6GiB"`` or ``"50%"``;
-* :mod:`~revtrain.planner.knapsack` and :mod:`~revtrain.planner.plan` are the pure parts: the
-  solver (stage 3) and the data a profile and a plan are made of;
-* :mod:`~revtrain.planner.sweep` chooses the batch size too (§3.4), and
-  :mod:`~revtrain.planner.plots` draws it (Fig. 4, Fig. 5); :mod:`~revtrain.planner.command`
-  is ``revtrain plan``.
+* :mod:`~revtrain.planner.verify` — stage 1, every block rebuilds its input;
+* :mod:`~revtrain.planner.profile` — stage 2, ``t_e`` (:mod:`~revtrain.planner.block_timing`),
+  ``m`` and ``m_o`` measured on this machine;
+* :mod:`~revtrain.planner.solve` — stage 3, the knapsack (:mod:`~revtrain.planner.knapsack`)
+  and the refinement against measured peaks;
+* :mod:`~revtrain.planner.apply` — stage 4, set each block's mode.
+
+:func:`plan_for_model` runs 1-3 (:mod:`~revtrain.planner.pipeline`) on a model and batch prepared
+once (:mod:`~revtrain.planner.setup`); whole steps are measured by
+:func:`~revtrain.planner.measure.measure_steps`. :mod:`~revtrain.planner.data` holds what the
+stages exchange (a profile, a plan), written as JSON in one envelope
+(:mod:`~revtrain.planner.envelope`); :mod:`~revtrain.planner.budget` reads budgets such as
+``"6GiB"`` or ``"50%"``. :mod:`~revtrain.planner.sweep` chooses the batch size too (§3.4),
+:mod:`~revtrain.planner.plots` draws it (Fig. 4, Fig. 5), and :mod:`~revtrain.planner.command`
+is ``revtrain plan``.
 """
 
+from revtrain.planner.block_timing import BlockTiming, TimingRule, time_blocks
 from revtrain.planner.budget import available_memory_bytes, resolve_budget
+from revtrain.planner.data import BlockProfile, Plan, Profile
+from revtrain.planner.errors import BudgetTooSmallError, PlanMismatchError
 from revtrain.planner.knapsack import KnapsackSolution, solve_knapsack
-from revtrain.planner.measure import (
-    StepMeasurement,
-    default_optimizer,
-    measure_step,
-    measure_step_stats,
-    measure_steps,
-)
-from revtrain.planner.pipeline import plan_for_model, refine_plan
-from revtrain.planner.plan import (
-    BlockProfile,
-    BudgetTooSmallError,
-    Plan,
-    PlanMismatchError,
-    Profile,
-    make_plan,
-)
-from revtrain.planner.profile import BlockTiming, profile_model, saved_bytes_in_context, time_blocks
-from revtrain.planner.sweep import SweepPoint, SweepResult, parse_batch_sizes, resize_batch, sweep_batch_sizes
+from revtrain.planner.measure import StepMeasurement, measure_steps
+from revtrain.planner.pipeline import PlanningResult, plan_for_model, run_pipeline
+from revtrain.planner.profile import profile_model, profile_setup, saved_bytes_in_context
+from revtrain.planner.setup import MeasurementSetup, default_optimizer, preserved_state, prepare
+from revtrain.planner.solve import make_plan, refine_plan
+from revtrain.planner.sweep import parse_batch_sizes, resize_batch, sweep_batch_sizes
+from revtrain.planner.sweep_result import SweepPoint, SweepResult
 
 __all__ = [
     "BlockProfile",
     "BlockTiming",
     "BudgetTooSmallError",
     "KnapsackSolution",
+    "MeasurementSetup",
     "Plan",
     "PlanMismatchError",
+    "PlanningResult",
     "Profile",
     "StepMeasurement",
     "SweepPoint",
     "SweepResult",
+    "TimingRule",
     "available_memory_bytes",
     "default_optimizer",
     "make_plan",
-    "measure_step",
-    "measure_step_stats",
     "measure_steps",
     "parse_batch_sizes",
     "plan_for_model",
+    "prepare",
+    "preserved_state",
     "profile_model",
+    "profile_setup",
     "refine_plan",
     "resize_batch",
     "resolve_budget",
+    "run_pipeline",
     "saved_bytes_in_context",
     "solve_knapsack",
     "sweep_batch_sizes",

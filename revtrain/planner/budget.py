@@ -27,7 +27,7 @@ import torch
 from revtrain.device import resolve_device
 from revtrain.memory import format_bytes, parse_bytes
 
-__all__ = ["available_memory_bytes", "resolve_budget"]
+__all__ = ["available_memory_bytes", "check_budget", "resolve_budget"]
 
 _BARE_NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*$")
 _PERCENT = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
@@ -120,6 +120,28 @@ def resolve_budget(spec: str | int | None, device: torch.device | str | None = N
     except ValueError as err:
         raise ValueError(_usage(str(err))) from None
     return budget, _with_capacity(budget, f"{format_bytes(budget)} ({budget} bytes), as given", dev)
+
+
+def check_budget(spec: str | int | None) -> None:
+    """Refuse a budget whose form :func:`resolve_budget` would refuse on any device, without
+    reading any device's memory (for validating options before anything runs).
+
+    Raises:
+        ValueError: as :func:`resolve_budget` for a malformed or out-of-range budget.
+    """
+    if spec is None:
+        return
+    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+        raise ValueError(_usage(f"got {type(spec).__name__} {spec!r}"))
+    if isinstance(spec, int):
+        if spec < 0:
+            raise ValueError(_usage(f"a budget cannot be negative, got {spec}"))
+        return
+    if _fraction(spec) is None:
+        try:
+            parse_bytes(spec)
+        except ValueError as err:
+            raise ValueError(_usage(str(err))) from None
 
 
 def _fraction(spec: str) -> float | None:

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from revtrain.memory import format_bytes
-from revtrain.planner.sweep import SweepResult
+from revtrain.planner.sweep_result import SweepResult
 
 __all__ = ["plot_decision_heatmap", "plot_step_times", "write_sweep_plots"]
 

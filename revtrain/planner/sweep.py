@@ -10,22 +10,22 @@ sweeping the batch size. :func:`sweep_batch_sizes`
    they never predict less than was measured there;
 3. solves the knapsack at every batch size of the range from the fitted costs, predicting step
    time, time per sample and peak for the plan and both baselines;
-4. measures the plans of the best few batch sizes (by predicted time per sample) and picks the best
-   measured one that kept within the budget.
+4. plans the best few batch sizes (by predicted time per sample) with the same pipeline as a
+   single plan (:func:`~revtrain.planner.pipeline.run_pipeline`: this size profiled, solved, refined
+   against measured peaks, then measured), and picks the best measured one that kept within the
+   budget. The plan at the chosen batch size is therefore the plan ``revtrain plan --batch-size``
+   makes from the same profile.
 
-The result is plain data that serialises to JSON; :mod:`revtrain.planner.plots` draws it.
+The result is plain data (:mod:`revtrain.planner.sweep_result`); :mod:`revtrain.planner.plots`
+draws it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from pathlib import Path
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,153 +33,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from revtrain.core import verify_invertible
+from revtrain.planner.block_timing import TimingRule
 from revtrain.planner.budget import resolve_budget
-from revtrain.planner.measure import (
-    LossFn,
-    OptimizerFactory,
-    batch_size_of,
-    batch_to,
-    measure_step,
-    resolve_device,
-)
-from revtrain.planner.plan import BlockProfile, BudgetTooSmallError, Profile, make_plan
-from revtrain.planner.profile import profile_model
+from revtrain.planner.data import BlockProfile, Profile
+from revtrain.planner.errors import BudgetTooSmallError
+from revtrain.planner.pipeline import Progress, run_pipeline
+from revtrain.planner.profile import profile_setup
+from revtrain.planner.setup import LossFn, MeasurementSetup, OptimizerFactory, prepare
+from revtrain.planner.solve import make_plan
+from revtrain.planner.sweep_result import SweepPoint, SweepResult
+from revtrain.planner.verify import verify_setup
 
-__all__ = ["SweepPoint", "SweepResult", "parse_batch_sizes", "resize_batch", "sweep_batch_sizes"]
-
-_FORMAT = "revtrain.sweep"
-_VERSION = 1
+__all__ = ["parse_batch_sizes", "resize_batch", "sweep_batch_sizes", "sweep_setup"]
 
 BatchFactory = Callable[[int], tuple[Any, Tensor]]
 """``make_batch(batch_size) -> (inputs, targets)``."""
-
-
-@dataclass(kw_only=True)
-class SweepPoint:
-    """Predictions (and measurements, where taken) at one batch size."""
-
-    batch_size: int
-    """The batch size."""
-    feasible: bool
-    """Whether some plan fits the budget (baseline-M's predicted peak does)."""
-    modes: dict[str, str] | None
-    """The plan's mode per block, by name; None when infeasible."""
-    predicted_step_time_s: float | None
-    """Predicted seconds per step of the plan; None when infeasible."""
-    predicted_peak_bytes: int | None
-    """Predicted peak of the plan; None when infeasible."""
-    baseline_M_step_time_s: float
-    """Predicted seconds per step of baseline-M (fitted)."""
-    baseline_M_peak_bytes: int
-    """Predicted peak of baseline-M (fitted)."""
-    baseline_C_step_time_s: float
-    """Predicted seconds per step of baseline-C: baseline-M minus every ``t_e``."""
-    baseline_C_peak_bytes: int
-    """Predicted peak of baseline-C."""
-    baseline_C_fits: bool
-    """Whether baseline-C's predicted peak fits the budget."""
-    profiled: bool = False
-    """Whether this batch size was profiled (its baselines were measured)."""
-    measured_baseline_M_step_time_s: float | None = None
-    """Measured seconds per step of baseline-M, at profiled sizes."""
-    measured_baseline_M_peak_bytes: int | None = None
-    """Measured peak of baseline-M, at profiled sizes."""
-    measured_baseline_C_step_time_s: float | None = None
-    """Measured seconds per step of baseline-C, at profiled sizes where it was run."""
-    measured_baseline_C_peak_bytes: int | None = None
-    """Measured peak of baseline-C, at profiled sizes where it was run."""
-    measured_step_time_s: float | None = None
-    """Measured seconds per step of the plan, where confirmed."""
-    measured_peak_bytes: int | None = None
-    """Measured peak of the plan, where confirmed."""
-
-    @property
-    def predicted_time_per_sample_s(self) -> float | None:
-        """Predicted seconds per sample of the plan (the inverse of throughput)."""
-        if self.predicted_step_time_s is None:
-            return None
-        return self.predicted_step_time_s / self.batch_size
-
-    @property
-    def measured_time_per_sample_s(self) -> float | None:
-        """Measured seconds per sample of the plan, where confirmed."""
-        if self.measured_step_time_s is None:
-            return None
-        return self.measured_step_time_s / self.batch_size
-
-    @property
-    def confirmed(self) -> bool:
-        """Whether the plan was measured at this batch size."""
-        return self.measured_step_time_s is not None
-
-
-@dataclass(kw_only=True)
-class SweepResult:
-    """The outcome of :func:`sweep_batch_sizes`: one :class:`SweepPoint` per batch size."""
-
-    model: str
-    """Model name."""
-    device: str
-    """Device measured on."""
-    dtype: str
-    """Parameter dtype."""
-    budget_bytes: int
-    """The budget every plan was solved for."""
-    budget_source: str
-    """How the budget was read, in words."""
-    block_names: list[str]
-    """Reversible blocks, in module order (the heat map's columns)."""
-    profiled_batch_sizes: list[int]
-    """Batch sizes that were profiled."""
-    fits: dict[str, list[float]]
-    """The fitted lines ``[a, k]`` (value ``a + k * batch_size``): ``"t_e/<block>"`` and
-    ``"m/<block>"`` per block, ``"m_o"``, ``"step_M"``, and ``"peak_C"`` when baseline-C was measured
-    at every profiled size."""
-    points: list[SweepPoint]
-    """One per batch size of the range, ascending."""
-    best_batch_size: int | None
-    """The batch size with the lowest time per sample: measured among confirmed plans that kept
-    within the budget, else predicted; None when no batch size fits."""
-    best_basis: str
-    """``"measured"`` or ``"predicted"`` (how ``best_batch_size`` was chosen), ``"none"``."""
-    torch_version: str = field(default_factory=lambda: str(torch.__version__))
-    """``torch.__version__`` of the run."""
-    timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
-    """When the sweep ran, ISO 8601."""
-
-    def __post_init__(self) -> None:
-        self.points = [p if isinstance(p, SweepPoint) else SweepPoint(**p) for p in self.points]
-
-    def point(self, batch_size: int) -> SweepPoint:
-        """The point of one batch size; ``KeyError`` if it was not in the range."""
-        for p in self.points:
-            if p.batch_size == batch_size:
-                return p
-        raise KeyError(f"batch size {batch_size} is not in the sweep ({[p.batch_size for p in self.points]})")
-
-    def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """Serialise to JSON text; also write it to ``path`` when given."""
-        data = {"format": _FORMAT, "version": _VERSION, **dataclasses.asdict(self)}
-        text = json.dumps(data, indent=2, allow_nan=False) + "\n"
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
-    @classmethod
-    def from_json(cls, source: str | os.PathLike[str]) -> SweepResult:
-        """Load from a file path, or from JSON text (a ``str`` starting with ``{``)."""
-        if isinstance(source, str) and source.lstrip().startswith("{"):
-            where, text = "JSON text", source
-        else:
-            where, text = f"file {os.fspath(source)!r}", Path(source).read_text()
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.pop("format", None) != _FORMAT:
-            raise ValueError(f"{where} is not a revtrain sweep result (format {_FORMAT!r} expected)")
-        version = data.pop("version", None)
-        if version != _VERSION:
-            raise ValueError(f"{where} has sweep format version {version!r}; this revtrain reads {_VERSION}")
-        return cls(**data)
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -237,8 +105,12 @@ def sweep_batch_sizes(
     device: torch.device | str | None = None,
     repeats: int = 3,
     warmup: int = 2,
+    max_repeats: int | None = None,
     verify: bool = True,
     model_name: str | None = None,
+    refine: int = 4,
+    timing: TimingRule | None = None,
+    progress: Progress | None = None,
 ) -> SweepResult:
     """Plan at every batch size of a range and find the one with the best throughput (§3.4).
 
@@ -248,60 +120,103 @@ def sweep_batch_sizes(
             (:func:`resize_batch`), or a function ``batch_size -> (inputs, targets)``.
         batch_sizes: The candidate batch sizes.
         budget: As :func:`~revtrain.planner.plan_for_model`.
-        profile_sizes: Batch sizes to profile; default the smallest, the middle and the largest
-            candidate (all of them when there are at most three).
-        confirm: How many of the best predicted batch sizes to measure with their plan.
-        loss_fn, make_optimizer, device, repeats, warmup, verify, model_name: As
-            :func:`~revtrain.planner.plan_for_model`.
+        profile_sizes: Batch sizes to profile for the fit; default the smallest, the middle and
+            the largest candidate (all of them when there are at most three).
+        confirm: How many of the best predicted batch sizes to plan with the full pipeline and
+            measure.
+        loss_fn, make_optimizer, device, repeats, warmup, max_repeats, verify, model_name, refine,
+            timing, progress: As :func:`~revtrain.planner.plan_for_model`.
 
     Raises:
         ValueError: an empty range, or a malformed budget.
     """
-    sizes = sorted({int(b) for b in batch_sizes})
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"batch sizes must be a non-empty list of positive integers, got {batch_sizes}")
+    sizes = _sizes(batch_sizes)
+    make_batch: BatchFactory = batches if callable(batches) else (lambda b: resize_batch(batches, b))
+    with prepare(
+        model, make_batch(sizes[0]), loss_fn=loss_fn, make_optimizer=make_optimizer, device=device,
+        repeats=repeats, warmup=warmup, max_repeats=max_repeats, model_name=model_name,
+    ) as setup:
+        return sweep_setup(
+            setup, make_batch, sizes, budget, profile_sizes=profile_sizes, confirm=confirm,
+            verify=verify, refine=refine, timing=timing, progress=progress,
+        )
+
+
+def sweep_setup(
+    setup: MeasurementSetup,
+    make_batch: BatchFactory,
+    batch_sizes: Sequence[int],
+    budget: int | str | None = None,
+    *,
+    profile_sizes: Sequence[int] | None = None,
+    confirm: int = 2,
+    verify: bool = True,
+    refine: int = 4,
+    timing: TimingRule | None = None,
+    known: Mapping[int, Profile] | None = None,
+    progress: Progress | None = None,
+) -> SweepResult:
+    """:func:`sweep_batch_sizes` on a prepared model: each batch size's batch is made by
+    ``make_batch`` and swapped into ``setup`` (:meth:`MeasurementSetup.with_batch`).
+
+    Args:
+        known: Profiles already made at some batch sizes (e.g. the single plan's, by ``revtrain
+            plan``); they are used instead of profiling those sizes again.
+        Others: As :func:`sweep_batch_sizes`.
+    """
+    say = progress or (lambda line: None)
+    sizes = _sizes(batch_sizes)
     if profile_sizes is None:
         profile_sizes = sizes if len(sizes) <= 3 else [sizes[0], sizes[len(sizes) // 2], sizes[-1]]
-    profile_sizes = sorted({int(b) for b in profile_sizes})
-    dev = resolve_device(model, device)
-    model.to(dev)
-    budget_bytes, explanation = resolve_budget(budget, dev)
-    make_batch: BatchFactory = batches if callable(batches) else (lambda b: resize_batch(batches, b))
+    profile_sizes = _sizes(profile_sizes)
+    budget_bytes, explanation = resolve_budget(budget, setup.device)
+    profiles: dict[int, Profile] = dict(known or {})
 
-    def batch_of(b: int) -> tuple[Any, Tensor]:
-        got = batch_to(make_batch(b), dev)
-        if batch_size_of(got) != b:
-            raise ValueError(f"the batch factory returned {batch_size_of(got)} samples for batch size {b}")
-        return got
+    def setup_of(b: int) -> MeasurementSetup:
+        sized = setup.with_batch(make_batch(b))
+        if sized.batch_size != b:
+            raise ValueError(f"the batch factory returned {sized.batch_size} samples for batch size {b}")
+        return sized
 
     if verify:
-        verify_invertible(model, batch_of(profile_sizes[0])[0])
-    common = dict(loss_fn=loss_fn, make_optimizer=make_optimizer, device=dev, repeats=repeats, warmup=warmup)
-    profiles: list[Profile] = []
+        say(f"verifying that every block rebuilds its input (batch {profile_sizes[0]}) ...")
+        verify_setup(setup_of(profile_sizes[0]))
     for b in profile_sizes:
+        if b in profiles:
+            continue
+        say(f"sweep: profiling batch size {b} ...")
         try:
-            profiles.append(profile_model(model, batch_of(b), model_name=model_name, **common))
+            profiles[b] = profile_setup(setup_of(b), timing=timing)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()  # too big for the device even in baseline-M: fit without it
-    if not profiles:
+    fitted = [profiles[b] for b in profile_sizes if b in profiles]
+    if not fitted:
         raise RuntimeError(
             f"no batch size of {profile_sizes} could be profiled: each ran out of device memory; "
             "sweep smaller batch sizes"
         )
-    fits = _fit(profiles)
-    names = [b.name for b in profiles[0].blocks]
-    by_size = {p.batch_size: p for p in profiles}
-    points = [_predict(fits, names, profiles[0], b, budget_bytes, by_size.get(b)) for b in sizes]
+    fits = _fit(fitted)
+    names = [b.name for b in fitted[0].blocks]
+    scales = [p.t_e_scale for p in fitted if p.t_e_scale is not None]
+    template = dataclasses.replace(fitted[0], t_e_scale=statistics.median(scales) if scales else None)
+    points = [_predict(fits, names, template, b, budget_bytes, profiles.get(b)) for b in sizes]
 
     ranked = sorted((p for p in points if p.feasible), key=lambda p: p.predicted_time_per_sample_s or math.inf)
     for p in ranked[: max(0, confirm)]:
-        assert p.modes is not None
+        say(f"sweep: planning batch size {p.batch_size} with the full pipeline ...")
         try:
-            p.measured_step_time_s, p.measured_peak_bytes = measure_step(
-                model, batch_of(p.batch_size), modes=p.modes, **common
+            result = run_pipeline(
+                setup_of(p.batch_size), budget_bytes, verify=False, profile=profiles.get(p.batch_size),
+                refine=refine, measure=True, timing=timing,
             )
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
+            continue
+        except BudgetTooSmallError:  # the fitted lines said it fits; its own profile says not
+            p.feasible, p.modes, p.predicted_step_time_s, p.predicted_peak_bytes = False, None, None, None
+            continue
+        profiles[p.batch_size] = result.profile
+        _record_pipeline(p, result.plan, result.profile)
     kept = [p for p in points if p.confirmed and (p.measured_peak_bytes or 0) <= budget_bytes]
     if kept:
         best = min(kept, key=lambda p: p.measured_time_per_sample_s or math.inf)
@@ -310,7 +225,7 @@ def sweep_batch_sizes(
         best_size, basis = ranked[0].batch_size, "predicted"
     else:
         best_size, basis = None, "none"
-    first = profiles[0]
+    first = fitted[0]
     return SweepResult(
         model=first.model,
         device=first.device,
@@ -318,12 +233,38 @@ def sweep_batch_sizes(
         budget_bytes=budget_bytes,
         budget_source=explanation,
         block_names=names,
-        profiled_batch_sizes=[p.batch_size for p in profiles],
+        profiled_batch_sizes=[p.batch_size for p in fitted],
         fits={k: [float(a), float(s)] for k, (a, s) in fits.items()},
         points=points,
         best_batch_size=best_size,
         best_basis=basis,
     )
+
+
+def _sizes(batch_sizes: Sequence[int]) -> list[int]:
+    sizes = sorted({int(b) for b in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"batch sizes must be a non-empty list of positive integers, got {list(batch_sizes)}")
+    return sizes
+
+
+def _record_pipeline(point: SweepPoint, plan: Any, profile: Profile) -> None:
+    """The point takes the full pipeline's plan, its predictions and its measurement."""
+    point.planned = True
+    point.modes = dict(plan.modes)
+    point.predicted_step_time_s = max(0.0, plan.predicted_step_time_s)
+    point.predicted_peak_bytes = plan.predicted_peak_bytes
+    point.measured_step_time_s = plan.measured_step_time_s
+    point.measured_peak_bytes = plan.measured_peak_bytes
+    _record_profile(point, profile)
+
+
+def _record_profile(point: SweepPoint, measured: Profile) -> None:
+    point.profiled = True
+    point.measured_baseline_M_step_time_s = measured.step_time_M_s
+    point.measured_baseline_M_peak_bytes = measured.m_o_bytes
+    point.measured_baseline_C_step_time_s = measured.step_time_C_s
+    point.measured_baseline_C_peak_bytes = measured.peak_C_bytes
 
 
 # --- fitting and prediction -------------------------------------------------------------------
@@ -396,6 +337,7 @@ def _predict(
         fixed_bytes=min(template.fixed_bytes or 0, m_o),
         step_time_M_s=step_m,
         peak_C_bytes=peak_c_fit,
+        t_e_scale=template.t_e_scale,
     )
     peak_c = peak_c_model if peak_c_fit is None else min(peak_c_model, peak_c_fit)
     point = SweepPoint(
@@ -406,7 +348,7 @@ def _predict(
         predicted_peak_bytes=None,
         baseline_M_step_time_s=step_m,
         baseline_M_peak_bytes=m_o,
-        baseline_C_step_time_s=max(0.0, step_m - sum(x.t_e_s for x in blocks)),
+        baseline_C_step_time_s=max(0.0, step_m - profile.saved_time_s(sum(x.t_e_s for x in blocks))),
         baseline_C_peak_bytes=peak_c,
         baseline_C_fits=peak_c <= budget,
     )
@@ -420,9 +362,5 @@ def _predict(
         point.predicted_step_time_s = max(0.0, plan.predicted_step_time_s)
         point.predicted_peak_bytes = plan.predicted_peak_bytes
     if measured is not None:
-        point.profiled = True
-        point.measured_baseline_M_step_time_s = measured.step_time_M_s
-        point.measured_baseline_M_peak_bytes = measured.m_o_bytes
-        point.measured_baseline_C_step_time_s = measured.step_time_C_s
-        point.measured_baseline_C_peak_bytes = measured.peak_C_bytes
+        _record_profile(point, measured)
     return point

@@ -10,8 +10,20 @@ from __future__ import annotations
 from revtrain.models.inputs import InputSpec
 from revtrain.tasks.base import Task, add_sums
 from revtrain.tasks.classification import Classification
+from revtrain.tasks.language_model import LanguageModeling, unigram_cross_entropy, unigram_entropy
 
-__all__ = ["Classification", "Task", "add_sums", "get_task", "list_tasks", "register_task", "task_for"]
+__all__ = [
+    "Classification",
+    "LanguageModeling",
+    "Task",
+    "add_sums",
+    "get_task",
+    "list_tasks",
+    "register_task",
+    "task_for",
+    "unigram_cross_entropy",
+    "unigram_entropy",
+]
 
 _TASKS: dict[str, type[Task]] = {}
 
@@ -38,7 +50,7 @@ def get_task(name: str) -> Task:
 
 
 def task_for(spec: InputSpec) -> Task:
-    """The task that trains a model whose input is ``spec`` (images: classification)."""
+    """The task that trains a model whose input is ``spec`` (images: classification, tokens: language modelling)."""
     for cls in _TASKS.values():
         if cls.input_kind == spec.kind:
             return cls()
@@ -46,3 +58,4 @@ def task_for(spec: InputSpec) -> Task:
 
 
 register_task(Classification)
+register_task(LanguageModeling)

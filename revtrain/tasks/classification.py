@@ -27,9 +27,12 @@ class Classification(Task):
     @torch.no_grad()
     def batch_sums(self, output: Tensor, target: Tensor, loss: Tensor | None = None) -> dict[str, float]:
         n = int(target.shape[0])
-        mean = loss.detach() if loss is not None else F.cross_entropy(output.float(), target)
+        if loss is not None:
+            loss_sum = float(loss.detach()) * n
+        else:  # summed in float32 by torch, as evaluation always did: exact, not mean * n
+            loss_sum = float(F.cross_entropy(output.float(), target, reduction="sum"))
         correct = (output.argmax(1) == target).sum()
-        return {"loss_sum": float(mean) * n, "correct": float(correct), "count": float(n)}
+        return {"loss_sum": loss_sum, "correct": float(correct), "count": float(n)}
 
     def summarize(self, sums: Mapping[str, float]) -> dict[str, float]:
         count = max(sums.get("count", 0.0), 1.0)

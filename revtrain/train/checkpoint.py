@@ -1,24 +1,28 @@
-"""Checkpoints: written atomically, read with errors that say what is wrong and what to do.
+"""Checkpoints: written atomically, checksummed, read with errors that say what is wrong and what to do.
 
-A checkpoint is one ``torch.save`` file (a dict) holding everything an exact resume needs:
-model and optimizer state, the scheduler's position, the random generators (torch CPU and
-CUDA, Python's ``random``, NumPy's global generator), the training loader's position, the
-trainer's counters and the config. Only plain containers, numbers, strings and tensors go in,
-so it loads with ``torch.load(weights_only=True)``: opening a checkpoint never runs code.
+A checkpoint is one ``torch.save`` file (a dict) holding everything an exact resume needs (see
+:class:`revtrain.train.state.TrainingState`). Only plain containers, numbers, strings and
+tensors go in, so it loads with ``torch.load(weights_only=True)``: opening a checkpoint never
+runs code.
 
-Writing goes to a temporary file in the same folder, is flushed and fsync'ed, and then
-``os.replace``'d over the old file, so a crash or a full disk mid-write leaves the previous
-checkpoint as it was.
+Writing goes through :func:`revtrain.train.files.atomic_write`, so a crash or a full disk
+mid-write leaves the previous checkpoint as it was.
+
+Each checkpoint carries ``"sha256"``: a SHA-256 digest of its whole content (every tensor's
+dtype, shape and bytes, every key, number and string, in stored order), computed before
+writing and checked after reading. ``torch.save`` files have no checksum of their own, so a
+flipped byte inside a tensor would otherwise load silently and change the run. A checkpoint
+whose model or optimizer state holds NaN or infinity (a diverged run) is refused as well: resuming
+it could only produce NaN.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
-import tempfile
 import warnings
 from collections.abc import Mapping
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from torch import nn
 
 from revtrain._version import __version__
 from revtrain.errors import RevtrainError
+from revtrain.train.files import atomic_write
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -36,17 +41,19 @@ __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
+    "NonFiniteCheckpointError",
     "capture_rng_state",
     "check_model_state",
-    "find_latest_checkpoint",
+    "content_digest",
     "load_checkpoint",
+    "non_finite_entries",
     "restore_rng_state",
     "save_checkpoint",
 ]
 
 CHECKPOINT_FORMAT = "revtrain.checkpoint"
-CHECKPOINT_VERSION = 1
-"""Bumped whenever the layout of the checkpoint dict changes incompatibly."""
+CHECKPOINT_VERSION = 2
+"""Bumped whenever the layout of the checkpoint dict changes incompatibly (2: checksum, "progress")."""
 CHECKPOINT_NAME = "checkpoint.pt"
 """File name of the checkpoint inside a run folder."""
 
@@ -56,56 +63,49 @@ class CheckpointError(RevtrainError, ValueError):
 
 
 class CorruptCheckpointError(CheckpointError):
-    """The file is missing, truncated, or not a ``torch.save`` file at all."""
+    """The file is missing, truncated, not a ``torch.save`` file, or fails its checksum."""
 
 
 class IncompatibleCheckpointError(CheckpointError):
     """A readable checkpoint that does not fit this run (format version, model, shapes, data)."""
 
 
-def save_checkpoint(state: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Write ``state`` to ``path`` atomically; returns the path.
+class NonFiniteCheckpointError(CheckpointError):
+    """The checkpoint's weights or optimizer state hold NaN or infinity."""
 
-    The format marker and version are added to the saved dict. On any failure (including
-    ``KeyboardInterrupt``) the temporary file is removed and the previous file at ``path``, if
-    any, is untouched.
+
+def save_checkpoint(state: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Write ``state`` to ``path`` atomically, with format marker, version and checksum; returns the path.
+
+    On any failure (including ``KeyboardInterrupt``) the temporary file is removed and the
+    previous file at ``path``, if any, is untouched; a full disk raises
+    :class:`~revtrain.train.files.DiskFullError` with a one-line message.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {
+    payload: dict[str, Any] = {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
         "revtrain_version": __version__,
         **state,
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return path
+    payload.pop("sha256", None)
+    payload["sha256"] = content_digest(payload)
+    return atomic_write(path, lambda f: torch.save(payload, f), what="checkpoint")
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint onto the CPU and check its format marker and version.
+    """Read a checkpoint onto the CPU; check its format, version, checksum and finiteness.
 
     Raises:
-        CorruptCheckpointError: missing, truncated or unreadable file.
+        CorruptCheckpointError: missing, truncated or unreadable file, or a checksum mismatch.
         IncompatibleCheckpointError: not a revtrain training checkpoint, or another format version.
+        NonFiniteCheckpointError: NaN or infinity in the model or optimizer state.
     """
     path = Path(path)
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"
         raise CorruptCheckpointError(
             f"checkpoint {path} {what}; pass the checkpoint.pt inside a run folder, or "
-            "--resume auto to pick the newest run of this model and dataset"
+            "--resume auto to pick the latest run of this model and dataset"
         )
     try:
         with warnings.catch_warnings():
@@ -132,7 +132,74 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             f"{CHECKPOINT_VERSION}. Resume it with the revtrain version that wrote it, or start a "
             "fresh run without --resume"
         )
+    stored = state.pop("sha256", None)
+    actual = content_digest(state)
+    if stored != actual:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} fails its checksum (stored sha256 {str(stored)[:16]}..., content "
+            f"{actual[:16]}...): its bytes changed after it was written (disk or copy damage). "
+            "Resume from another checkpoint (a copy of this run) or start a fresh run without --resume"
+        )
+    bad = non_finite_entries({"model": state.get("model"), "optimizer": state.get("optimizer")})
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise NonFiniteCheckpointError(
+            f"checkpoint {path} holds NaN or infinite values ({shown}): it was saved from a run "
+            "that diverged, and resuming it can only produce NaN. Resume from an earlier checkpoint, "
+            "or start a fresh run without --resume (with a lower --lr or a longer --warmup-epochs)"
+        )
     return state
+
+
+def content_digest(obj: Any) -> str:
+    """SHA-256 of a checkpoint's content: keys, numbers, strings and tensor bytes, in stored order.
+
+    Equal before ``torch.save`` and after ``torch.load`` (tensors are hashed by dtype, shape and
+    values, on the CPU), different as soon as one byte of one tensor or one value changes.
+    """
+    digest = hashlib.sha256()
+    _feed(digest, obj)
+    return digest.hexdigest()
+
+
+def non_finite_entries(tree: Any, prefix: str = "") -> list[str]:
+    """Dotted names of the floating-point tensors in ``tree`` that hold NaN or infinity."""
+    if isinstance(tree, torch.Tensor):
+        if tree.is_floating_point() or tree.is_complex():
+            return [] if bool(torch.isfinite(tree).all()) else [prefix or "tensor"]
+        return []
+    items: Any = ()
+    if isinstance(tree, Mapping):
+        items = tree.items()
+    elif isinstance(tree, (list, tuple)):
+        items = enumerate(tree)
+    found: list[str] = []
+    for key, value in items:
+        found += non_finite_entries(value, f"{prefix}.{key}" if prefix else str(key))
+    return found
+
+
+def _feed(digest: Any, obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        digest.update(f"T{t.dtype}{tuple(t.shape)}|".encode())
+        if t.numel():
+            digest.update(t.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(obj, Mapping):
+        digest.update(f"D{len(obj)}|".encode())
+        for key, value in obj.items():
+            _feed(digest, key)
+            _feed(digest, value)
+    elif isinstance(obj, (list, tuple)):  # torch.load gives back the same kind; treat them alike
+        digest.update(f"L{len(obj)}|".encode())
+        for value in obj:
+            _feed(digest, value)
+    elif isinstance(obj, (str, bytes)):
+        data = obj.encode() if isinstance(obj, str) else obj
+        digest.update(f"{'S' if isinstance(obj, str) else 'Y'}{len(data)}|".encode())
+        digest.update(data)
+    else:  # None, bool, int, float: repr is exact and stable (floats round-trip)
+        digest.update(f"{type(obj).__name__}:{obj!r}|".encode())
 
 
 def check_model_state(path: str | os.PathLike[str], state: Mapping[str, Any], model_name: str,
@@ -202,23 +269,3 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         count = min(len(cuda), torch.cuda.device_count())
         for index in range(count):
             torch.cuda.set_rng_state(cuda[index], index)
-
-
-def find_latest_checkpoint(runs_root: str | os.PathLike[str], model: str, dataset: str) -> Path | None:
-    """The newest ``<runs_root>/<model>-<dataset>-*/checkpoint.pt`` (by modification time), or None."""
-    candidates = list(Path(runs_root).glob(f"{model}-{dataset}-*/{CHECKPOINT_NAME}"))
-    return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the rename durable (POSIX); a no-op where folders cannot be opened (Windows)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

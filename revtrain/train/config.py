@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import textwrap
 from dataclasses import dataclass
 from functools import cache
@@ -17,9 +18,10 @@ from typing import Any, Literal
 
 from revtrain.errors import RevtrainError
 
-__all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "DEVICES", "AMP_DTYPES"]
+__all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "OPTIMIZERS", "DEVICES", "AMP_DTYPES"]
 
 SCHEDULES = ("cosine", "step")
+OPTIMIZERS = ("sgd", "adamw")
 DEVICES = ("auto", "cpu", "cuda")
 AMP_DTYPES = ("bf16", "fp16")
 
@@ -36,13 +38,15 @@ class TrainConfig:
     model: str = "revnet38"
     """Model name from the registry (`revtrain models` lists them)."""
     dataset: str = "digits"
-    """Dataset: digits (bundled, offline), cifar10, cifar100 (local folder) or synthetic."""
+    """Dataset: digits (bundled, offline), cifar10, cifar100 (local folder), synthetic, or text (bytes of local text files; default corpus: the Python standard library's sources)."""
     data_dir: str | None = None
-    """Folder holding the extracted CIFAR batches (default: $REVTRAIN_DATA_DIR or ./data)."""
+    """CIFAR: folder holding the extracted batches (default: $REVTRAIN_DATA_DIR or ./data). Text: a file or folder of text files, or one with enwik8 (default: the Python standard library's sources)."""
     image_size: int | None = None
     """Side of the input images (default: the dataset's own: digits 8, CIFAR 32); digits upsample to it."""
     augment: bool | None = None
     """Training augmentation (default: the dataset's own: on for CIFAR, off for digits)."""
+    task: str | None = None
+    """What the model learns: its loss and metrics (default: the task that fits the model's inputs, classification for images)."""
 
     # --- how long, how big
     epochs: int = 10
@@ -54,13 +58,20 @@ class TrainConfig:
     max_steps_per_epoch: int | None = None
     """Stop each epoch after this many steps (for quick checks and tests); default: whole epoch."""
 
+    context: int | None = None
+    """Text: bytes per training window (default: the model's context)."""
+
     # --- optimizer and schedule
+    optimizer: Literal["sgd", "adamw"] = "sgd"
+    """sgd (momentum, Nesterov) or adamw (betas 0.9/0.95, decoupled weight decay: the usual choice for Transformers)."""
     lr: float = 0.1
-    """Peak learning rate of SGD, reached at the end of the warm-up."""
+    """Peak learning rate, reached at the end of the warm-up."""
     momentum: float = 0.9
-    """SGD momentum."""
+    """SGD momentum (unused by adamw)."""
     nesterov: bool = True
-    """Nesterov momentum."""
+    """Nesterov momentum (SGD only)."""
+    grad_clip: float | None = None
+    """Clip the global gradient norm to this before each update (default: no clipping)."""
     weight_decay: float = 5e-4
     """L2 weight decay, applied to weights only: never to norm parameters or biases."""
     warmup_epochs: float = 1.0
@@ -71,6 +82,8 @@ class TrainConfig:
     """Step schedule: fractions of the training steps at which lr is multiplied by gamma."""
     gamma: float = 0.1
     """Step schedule: factor applied to lr at each milestone."""
+    divergence_factor: float = 10.0
+    """Stop the run when a step's training loss exceeds this many times the run's first loss (0: no bound); a NaN or infinite loss always stops it."""
 
     # --- memory strategy
     mode: Literal["M", "C"] = "M"
@@ -87,6 +100,8 @@ class TrainConfig:
     """Mixed precision on CUDA: bf16 autocast, or fp16 autocast with a gradient scaler."""
     threads: int | None = None
     """CPU threads for torch ops (torch.set_num_threads; default: torch's, one per core)."""
+    compile: bool = False
+    """torch.compile F and G of every reversible block and the non-reversible parts (revtrain.compilation); the first steps pay the compilation."""
     seed: int = 0
     """Seed of model initialisation, data order and augmentation."""
 
@@ -94,7 +109,7 @@ class TrainConfig:
     run_dir: str | None = None
     """Folder for metrics, checkpoints and the summary (default: runs/<model>-<dataset>-<time>)."""
     resume: str | None = None
-    """Continue from a checkpoint path, or 'auto' for the newest run of this model and dataset."""
+    """Continue a run: its checkpoint.pt, its folder, or 'auto' for the latest run of this model and dataset (with --run-dir: that run)."""
     checkpoint_every: int = 0
     """Also save a checkpoint every this many steps (0: at the end of each epoch only)."""
     log_every: int = 1
@@ -105,6 +120,7 @@ class TrainConfig:
     """No progress bar; still print one line per epoch and the summary."""
 
     def __post_init__(self) -> None:
+        _all_finite(self)
         _at_least(self, "epochs", 1)
         _at_least(self, "batch_size", 1)
         _at_least(self, "checkpoint_every", 0)
@@ -117,11 +133,17 @@ class TrainConfig:
             _at_least(self, "threads", 1)
         if self.image_size is not None:
             _at_least(self, "image_size", 1)
+        if self.context is not None:
+            _at_least(self, "context", 1)
+        _choice(self, "optimizer", OPTIMIZERS)
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ConfigError(f"grad_clip (--grad-clip) must be positive, got {self.grad_clip}; leave it out "
+                              "for no clipping")
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.nesterov and self.momentum == 0:
+        if self.optimizer == "sgd" and self.nesterov and self.momentum == 0:
             raise ConfigError("Nesterov momentum needs momentum > 0; set --momentum or pass --no-nesterov")
         if self.weight_decay < 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
@@ -138,6 +160,10 @@ class TrainConfig:
             )
         if not 0 < self.gamma <= 1:
             raise ConfigError(f"gamma must be in (0, 1], got {self.gamma}")
+        if self.divergence_factor != 0 and not self.divergence_factor > 1:
+            raise ConfigError(f"divergence_factor must be 0 (no bound) or above 1, got {self.divergence_factor}")
+        if self.task is not None and not str(self.task).strip():
+            raise ConfigError("task is empty; leave it unset to use the model's task, or name one")
         if not isinstance(self.mode, str) or self.mode.upper() not in ("M", "C"):
             raise ConfigError(f"mode must be 'M' or 'C', got {self.mode!r}")
         self.mode = self.mode.upper()  # type: ignore[assignment]
@@ -189,6 +215,20 @@ def field_docs(cls: type) -> dict[str, str]:
         ):
             docs[node.target.id] = inspect.cleandoc(after.value.value)
     return docs
+
+
+def _all_finite(config: TrainConfig) -> None:
+    """Refuse NaN and infinity in every float option (``--lr inf`` passes ``lr > 0``)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ConfigError(f"{f.name} (--{f.name.replace('_', '-')}) must be a finite number, got "
+                              f"{_show(value)}; NaN and infinity cannot train")
+
+
+def _show(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 def _at_least(config: TrainConfig, name: str, low: int) -> None:

@@ -20,6 +20,8 @@ from torch import nn
 
 from revtrain.core import set_modes
 from revtrain.memory import process_peak_rss_bytes, track_peak_memory
+from revtrain.tasks import add_sums
+from revtrain.train.files import NO_SPACE, DiskFullError, atomic_write_text
 from revtrain.train.checkpoint import capture_rng_state, restore_rng_state
 
 __all__ = ["MetricsWriter", "EpochStats", "live_memory", "StepMemory", "measure_step_memory"]
@@ -29,7 +31,7 @@ class MetricsWriter:
     """Append one JSON object per line to ``path``; every record has ``event`` and ``time``.
 
     Events written by the trainer: ``"step"`` (every ``log_every`` steps), ``"epoch"`` (after
-    each evaluation), ``"plan"``, ``"resume"``, ``"interrupt"`` and ``"summary"``.
+    each evaluation), ``"plan"``, ``"resume"``, ``"interrupt"``, ``"diverged"`` and ``"summary"``.
 
     Args:
         path: The ``metrics.jsonl`` file; created with its folder if missing.
@@ -51,8 +53,14 @@ class MetricsWriter:
     def write(self, event: str, **fields: Any) -> None:
         """Write one record and flush it (a crash loses at most the line being written)."""
         record = {"event": event, "time": round(time.time(), 3), **fields}
-        self._file.write(json.dumps(record, default=_jsonable) + "\n")
-        self._file.flush()
+        try:
+            self._file.write(json.dumps(record, default=_jsonable) + "\n")
+            self._file.flush()
+        except OSError as err:
+            if err.errno not in NO_SPACE:
+                raise
+            raise DiskFullError(f"no space left on device while appending to {self.path}; the last "
+                                "checkpoint is kept; free some space, then resume") from None
 
     def close(self) -> None:
         self._file.close()
@@ -68,41 +76,33 @@ class MetricsWriter:
             redone = record.get("event") == "epoch" and record.get("epoch") == redo_epoch
             if not (after or redone or record.get("event") == "summary"):
                 kept.append(line + "\n")
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, "".join(kept), what="metrics file")
 
 
 class EpochStats:
-    """Running sums of the current epoch's training; saved in checkpoints for mid-epoch resume."""
+    """Running sums of the current epoch's training; saved in checkpoints for mid-epoch resume.
 
-    def __init__(self, loss_sum: float = 0.0, correct: int = 0, samples: int = 0, seconds: float = 0.0):
-        self.loss_sum, self.correct, self.samples, self.seconds = loss_sum, correct, samples, seconds
+    ``sums`` are the task's additive batch sums (:meth:`revtrain.tasks.Task.batch_sums`, always
+    with ``"loss_sum"`` and ``"count"``); the task turns them into metrics. ``samples`` and
+    ``seconds`` give the throughput.
+    """
 
-    def add(self, loss_sum: float, correct: int, samples: int, seconds: float) -> None:
-        self.loss_sum += loss_sum
-        self.correct += correct
+    def __init__(self, sums: Mapping[str, float] | None = None, samples: int = 0, seconds: float = 0.0):
+        self.sums: dict[str, float] = dict(sums or {})
+        self.samples, self.seconds = samples, seconds
+
+    def add(self, sums: Mapping[str, float], samples: int, seconds: float) -> None:
+        add_sums(self.sums, sums)
         self.samples += samples
         self.seconds += seconds
-
-    @property
-    def loss(self) -> float:
-        """Mean training loss so far this epoch."""
-        return self.loss_sum / self.samples if self.samples else float("nan")
-
-    @property
-    def accuracy(self) -> float:
-        """Top-1 training accuracy so far this epoch (on the batches as trained)."""
-        return self.correct / self.samples if self.samples else float("nan")
 
     @property
     def throughput(self) -> float:
         """Training samples per second so far this epoch (data, forward, backward, update)."""
         return self.samples / self.seconds if self.seconds else 0.0
 
-    def to_dict(self) -> dict[str, float | int]:
-        return {"loss_sum": self.loss_sum, "correct": self.correct, "samples": self.samples,
-                "seconds": self.seconds}
+    def to_dict(self) -> dict[str, Any]:
+        return {"sums": dict(self.sums), "samples": self.samples, "seconds": self.seconds}
 
 
 def _jsonable(value: Any) -> Any:
@@ -169,32 +169,28 @@ def measure_step_memory(
     modes: Mapping[str, str],
     device: torch.device,
     autocast: Callable[[], AbstractContextManager[Any]],
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
+    make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> StepMemory:
-    """Measure one forward + backward on ``batch`` in ``modes`` and with all blocks in C-mode.
+    """Measure the step memory of one training step on ``batch`` in ``modes``, and with every
+    block in C-mode (plain backprop).
 
-    Each measurement runs on a deep copy of ``model`` (gradients, batch-norm statistics and
-    modes of ``model`` are untouched) and the random generators are restored afterwards, so the
-    run's results do not depend on whether this was called. Parameters and their copies exist
-    before the tracked region, so the peaks count activations, gradients and the backward's
-    transients: what a step adds on top of the model.
+    Step memory has one definition, the planner's (:mod:`revtrain.planner.measure`), and is what
+    ``revtrain plan`` and the benchmarks print too: the peak tensor bytes of forward, loss,
+    backward and an SGD-with-momentum step, including what is live when the step starts (the
+    parameters, buffers, optimizer state and the batch), after one warm-up step that creates the
+    optimizer state (``make_optimizer(params)``: the run's optimizer; default SGD with momentum).
+    The model is measured in place and put back as it was (weights, batch-norm
+    statistics, gradients, modes and the random generators), so the run's results do not depend
+    on whether this was called.
     """
-    x, y = batch[0].to(device), batch[1].to(device)
-    rng = capture_rng_state()
-    peaks: dict[str, int] = {}
-    method = ""
-    try:
-        for label, assignment in (("run", dict(modes)), ("plain", "C")):
-            replica = copy.deepcopy(model).train()
-            for p in replica.parameters():
-                p.grad = None
-            set_modes(replica, assignment)
-            with track_peak_memory(device) as mem:
-                with autocast():
-                    loss = F.cross_entropy(replica(x), y)
-                loss.backward()
-                del loss
-            peaks[label], method = mem.peak_bytes, mem.method
-            del replica
-    finally:
-        restore_rng_state(rng)
-    return StepMemory(peaks["run"], peaks["plain"], int(x.shape[0]), modes, method)
+    from revtrain.planner.measure import measure_steps  # the planner's measurement, not a copy
+    from revtrain.planner.setup import prepare
+
+    with prepare(model, batch, device=device, repeats=0, warmup=1, autocast=autocast, loss_fn=loss_fn,
+                 make_optimizer=make_optimizer) as setup:
+        steps = measure_steps(setup, {"run": dict(modes) or None, "plain": "C"})
+        batch_size = setup.batch_size
+    run, plain = steps["run"], steps["plain"]
+    return StepMemory(run.peak_bytes, plain.peak_bytes, batch_size, modes, run.method)

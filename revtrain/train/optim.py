@@ -8,14 +8,17 @@ decaying a BatchNorm scale or a bias fights the normalisation rather than regula
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["param_groups", "build_optimizer", "LRSchedule", "build_scheduler"]
+from revtrain.layers import InPlaceABN
+
+__all__ = ["param_groups", "build_optimizer", "LRSchedule", "build_scheduler", "apply_hyperparameters"]
 
 # Layers whose parameters are normalisation scales/shifts (BatchNorm, GroupNorm, LayerNorm, ...).
 _NORM_TYPES: tuple[type[nn.Module], ...] = (
@@ -26,6 +29,8 @@ _NORM_TYPES: tuple[type[nn.Module], ...] = (
 )
 if hasattr(nn, "RMSNorm"):
     _NORM_TYPES += (nn.RMSNorm,)
+# In-place ABN is a batch norm: decaying its scale towards 0 would make it non-invertible.
+_NORM_TYPES += (InPlaceABN,)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object]]:
@@ -55,13 +60,35 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, object
     return [g for g in groups if g["params"]]
 
 
+ADAMW_BETAS = (0.9, 0.95)
+"""AdamW's betas: the usual choice for Transformer language models (GPT-2/3, nanoGPT)."""
+
+
 def build_optimizer(
-    model: nn.Module, *, lr: float, momentum: float, nesterov: bool, weight_decay: float
-) -> torch.optim.SGD:
-    """SGD over :func:`param_groups` (arguments as in :class:`~revtrain.train.TrainConfig`)."""
-    return torch.optim.SGD(
-        param_groups(model, weight_decay), lr=lr, momentum=momentum, nesterov=nesterov
-    )
+    model: nn.Module, *, lr: float, momentum: float, nesterov: bool, weight_decay: float,
+    kind: str = "sgd",
+) -> torch.optim.Optimizer:
+    """SGD or AdamW over :func:`param_groups` (arguments as in :class:`~revtrain.train.TrainConfig`)."""
+    groups = param_groups(model, weight_decay)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=ADAMW_BETAS)
+    if kind != "sgd":
+        raise ValueError(f"unknown optimizer {kind!r}; use 'sgd' or 'adamw'")
+    return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov)
+
+
+def optimizer_factory(config: Any) -> Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer]:
+    """``make_optimizer(params)`` building the run's optimizer (kind and settings of a
+    :class:`~revtrain.train.TrainConfig`) over plain parameters: what the planner and the memory
+    report need, since the optimizer's state counts in a step's peak."""
+
+    def make_optimizer(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+        if config.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=config.lr, betas=ADAMW_BETAS, weight_decay=config.weight_decay)
+        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
+                               weight_decay=config.weight_decay)
+
+    return make_optimizer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,3 +137,21 @@ def build_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> L
     its position: a resumed run keeps the schedule of its (possibly extended) config.
     """
     return LambdaLR(optimizer, lambda step: schedule.factor(step))
+
+
+def apply_hyperparameters(
+    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, schedule: LRSchedule, *,
+    lr: float, momentum: float, nesterov: bool, weight_decay: float,
+) -> None:
+    """Put these settings over the ones a checkpoint restored (a resumed run with new options).
+
+    The learning rate becomes ``lr`` times ``schedule``'s factor at the scheduler's position, so
+    a longer or reshaped schedule continues from the step reached; weight decay goes to the
+    ``"decay"`` group only, as in :func:`param_groups`.
+    """
+    factor = schedule.factor(scheduler.last_epoch)
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    momentum_settings = {"momentum": momentum, "nesterov": nesterov} if isinstance(optimizer, torch.optim.SGD) else {}
+    for group in optimizer.param_groups:
+        group.update(initial_lr=lr, lr=lr * factor, **momentum_settings,
+                     weight_decay=weight_decay if group.get("name") == "decay" else 0.0)

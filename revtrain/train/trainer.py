@@ -1,71 +1,93 @@
-"""The Trainer: builds data, model and optimizer from a :class:`TrainConfig` and runs ``fit()``.
+"""The Trainer: builds data, model, task and optimizer from a resolved run and runs ``fit()``.
+
+A step is two public seams (torchtitan's split): :meth:`Trainer.forward_backward` runs the
+model and the task's loss and backpropagates, returning the loss and the task's additive batch
+sums; :meth:`Trainer.optimizer_step` applies the update and advances the schedule.
+:meth:`Trainer.train_step` composes them; gradient accumulation or a stage-parallel engine
+replaces or reuses them without touching the loop. What is learnt (loss, metrics, their
+formatting, the example batch of the memory report) comes from a :class:`~revtrain.tasks.Task`.
 
 The loop follows :mod:`revtrain.data.loader`: the training loader knows its position, every
-other piece of state lives in the trainer, and :meth:`Trainer.save_checkpoint` writes all of it
-between two steps, so a resumed run (mid-epoch too) computes exactly what the uninterrupted run
-would have (bit for bit on CPU with the same seed).
+other piece of state is in :class:`~revtrain.train.state.TrainingState`, and
+:meth:`Trainer.save_checkpoint` writes all of it between two steps, so a resumed run (mid-epoch
+too) computes exactly what the uninterrupted run would have (bit for bit on CPU).
 
-Ctrl-C asks the loop to stop after the current step; it then saves a checkpoint, prints how to
-resume and re-raises ``KeyboardInterrupt``. A second Ctrl-C aborts at once without saving.
+Ctrl-C or SIGTERM asks the loop to stop after the current step; it then saves a checkpoint,
+prints how to resume and raises :class:`TrainingInterrupted`. A second signal aborts at once.
+A diverging run (see :mod:`revtrain.train.divergence`) stops with
+:class:`~revtrain.train.divergence.TrainingDivergedError` before the bad update; a run that
+fails before its first checkpoint leaves no folder behind.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import signal
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from revtrain.core import get_modes, set_modes
+from revtrain.core import get_modes
 from revtrain.data import build_dataloaders
 from revtrain.memory import format_bytes
 from revtrain.models import create_model
-from revtrain.train.checkpoint import (
-    CHECKPOINT_NAME,
-    IncompatibleCheckpointError,
-    capture_rng_state,
-    check_model_state,
-    load_checkpoint,
-    restore_rng_state,
-    save_checkpoint,
-)
+from revtrain.tasks import add_sums
+from revtrain.compilation import compile_model
+from revtrain.train.build import fit_model_to_data, text_window
+from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
 from revtrain.train.config import ConfigError, TrainConfig
+from revtrain.train.divergence import TrainingDivergedError, divergence_reason
 from revtrain.train.environment import busy_cpu_note, resolve_device, seed_everything
-from revtrain.train.metrics import EpochStats, MetricsWriter, live_memory, measure_step_memory
+from revtrain.train.files import atomic_write_text
+from revtrain.train.interrupts import StopSignals, TrainingInterrupted
 from revtrain.train.memory_strategy import apply_memory_strategy
-from revtrain.train.optim import LRSchedule, build_optimizer, build_scheduler
-from revtrain.train.runs import RUNS_ROOT, find_resume_checkpoint, new_run_dir
+from revtrain.train.metrics import EpochStats, MetricsWriter, live_memory, measure_step_memory
+from revtrain.train.optim import (
+    LRSchedule,
+    apply_hyperparameters,
+    build_optimizer,
+    build_scheduler,
+    optimizer_factory,
+)
+from revtrain.train.resume import ResolvedRun, resolve_run
+from revtrain.train.runs import RunFolder
+from revtrain.train.state import Progress, TrainingState
 
 __all__ = ["Trainer"]
 
 Callback = Callable[["Trainer"], None]
 """Called as ``callback(trainer)`` after every optimizer step."""
+Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class Trainer:
-    """Train one model on one dataset as a :class:`TrainConfig` says.
+    """Train one model on one dataset as a resolved run says.
 
     Args:
-        config: The run's settings. With ``config.resume`` set, state is loaded from that
-            checkpoint (``"auto"``: the newest of this model and dataset) and must fit the config.
+        run: A :class:`~revtrain.train.resume.ResolvedRun` (what ``revtrain train`` passes), or
+            a complete :class:`TrainConfig`, resolved here (with ``resume`` set, the checkpoint
+            must fit it).
         callbacks: Called as ``callback(trainer)`` after every optimizer step, when the
             trainer's state is consistent (a callback may read ``trainer.step``, save, or raise).
         out: Where log lines go (default: standard output).
     """
 
-    def __init__(self, config: TrainConfig, *, callbacks: Sequence[Callback] = (), out: TextIO | None = None):
+    def __init__(self, run: TrainConfig | ResolvedRun, *, callbacks: Sequence[Callback] = (),
+                 out: TextIO | None = None):
         self.callbacks = list(callbacks)
         self.out = out if out is not None else sys.stdout
+        run = run if isinstance(run, ResolvedRun) else resolve_run(run)
+        config = self.config = run.config
+        for note in run.notes:
+            self._log(note)
         self.device = resolve_device(config.device)
         if config.amp is not None and self.device.type != "cuda":
             raise ConfigError(f"--amp {config.amp} works on CUDA only and this run is on {self.device}; "
@@ -77,12 +99,15 @@ class Trainer:
             config.dataset, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size,
             data_dir=config.data_dir, seed=config.seed,
             augment=config.augment, image_size=config.image_size, pin_memory=self.device.type == "cuda",
+            **text_window(config),
         )
-        info = self.data_info
-        self.model = create_model(config.model, num_classes=info.num_classes, in_channels=info.in_channels)
-        self.model.to(self.device)
+        fit = fit_model_to_data(config.model, config.task, self.data_info, self.first_batch()[0])
+        self.task, self.input_spec = fit.task, fit.spec
+        self.model = create_model(config.model, **fit.overrides).to(self.device)
+        self.compiled = compile_model(self.model) if config.compile else []
         self.optimizer = build_optimizer(self.model, lr=config.lr, momentum=config.momentum,
-                                         nesterov=config.nesterov, weight_decay=config.weight_decay)
+                                         nesterov=config.nesterov, weight_decay=config.weight_decay,
+                                         kind=config.optimizer)
         batches = len(self.train_loader)
         self.steps_per_epoch = min(batches, config.max_steps_per_epoch or batches)
         self.schedule = LRSchedule(
@@ -92,49 +117,61 @@ class Trainer:
         )
         self.scheduler = build_scheduler(self.optimizer, self.schedule)
         self.scaler = torch.amp.GradScaler("cuda") if config.amp == "fp16" else None
-
-        resume = find_resume_checkpoint(config.resume, config.to_dict()) if config.resume else None
-        if config.resume == "auto" and resume is None:
-            self._log(f"--resume auto: no checkpoint of {config.model} on {config.dataset} under "
-                      f"{config.run_dir or RUNS_ROOT}; starting a new run")
-        if config.run_dir:
-            run_dir = Path(config.run_dir)
-        else:
-            run_dir = resume.parent if resume else new_run_dir(config)
-        self.config = config.replace(run_dir=str(run_dir), resume=str(resume) if resume else None)
-        self.run_dir = run_dir
-        self.checkpoint_path = run_dir / CHECKPOINT_NAME
-
-        self.step = 0
-        """Optimizer steps taken so far (over all epochs)."""
-        self.pending_eval: int | None = None
-        """An epoch whose training is done but whose evaluation is not (yet) recorded."""
-        self.history: list[dict[str, Any]] = []
-        """One record per evaluated epoch (the ``"epoch"`` lines of metrics.jsonl)."""
-        self.train_time_s = 0.0
-        self.samples_seen = 0
-        self.last_loss = float("nan")
+        self.progress = Progress()
+        self.state = TrainingState(
+            model=self.model, model_name=config.model, data_info=self.data_info, task_name=self.task.name,
+            parts={"optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler,
+                   "train_loader": self.train_loader, "progress": self.progress},
+        )
+        self.run_dir = run.run_dir
+        self.folder = RunFolder(run.run_dir)
+        self.checkpoint_path = self.folder.checkpoint_path
         self.plan: Any = None
-        self._epoch = EpochStats()
-        self._peak_memory: tuple[int, str] = (0, "")
+        self.last_loss = float("nan")
         self._memory: tuple[int | None, str] = (None, "")
         self._phase = "idle"  # "step" while an update is half-done: nothing may be saved then
-        self._stop_requested = False
+        self._stop = StopSignals(log=lambda line: self._log(line, err=True))
+        self._this_process = EpochStats()  # this process's training: samples and seconds
+        self._process_peak: tuple[int, str] = (0, "")
+        self._steps_at_start = 0
+        self.metrics: MetricsWriter | None = None
+        self.folder.open(log=self._log)
+        try:
+            self._open_run(run)
+        except BaseException:
+            self._discard_if_unsaved(say=False)  # the user never saw this folder
+            raise
 
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if resume is not None:
-            self._load(resume)  # restores the modes the run had
-        else:
+    def _open_run(self, run: ResolvedRun) -> None:
+        if run.state is not None:
+            self.state.restore(run.state, run.checkpoint)  # restores the block modes the run had
+            apply_hyperparameters(self.optimizer, self.scheduler, self.schedule, lr=self.config.lr,
+                                  momentum=self.config.momentum, nesterov=self.config.nesterov,
+                                  weight_decay=self.config.weight_decay)
+            self._log(f"resumed from {run.checkpoint}: epoch {self.train_loader.epoch + 1}, batch "
+                      f"{self.train_loader.next_batch}, step {self.step}")
+        if run.state is None or run.strategy_changed:
             self.plan = apply_memory_strategy(self.model, self.config, first_batch=self.first_batch,
-                                              device=self.device, run_dir=run_dir, log=self._log)
-        (run_dir / "config.json").write_text(json.dumps(self.config.to_dict(), indent=2) + "\n")
-        self.metrics = MetricsWriter(run_dir / "metrics.jsonl", resume_step=self.step if resume else None,
-                                     redo_epoch=self.pending_eval)
-        if resume is not None:
+                                              device=self.device, run_dir=self.run_dir, log=self._log)
+        atomic_write_text(self.run_dir / "config.json", json.dumps(self.config.to_dict(), indent=2) + "\n")
+        resumed = run.state is not None
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None,
+                                     redo_epoch=self.progress.pending_eval)
+        if resumed:
             self.metrics.write("resume", step=self.step, epoch=self.train_loader.epoch,
-                               checkpoint=str(resume))
+                               checkpoint=str(run.checkpoint), process=self.progress.processes + 1)
         if self.plan is not None:
             self.metrics.write("plan", step=self.step, summary=self.plan.summary())
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (over all epochs and processes)."""
+        return self.progress.step
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One record per evaluated epoch (the ``"epoch"`` lines of metrics.jsonl)."""
+        return self.progress.history
 
     # ------------------------------------------------------------------ the loop
 
@@ -142,32 +179,40 @@ class Trainer:
         """Train to ``config.epochs``, evaluating after each epoch; returns the summary.
 
         Raises:
-            KeyboardInterrupt: after Ctrl-C (or a callback raising it), once the checkpoint is saved.
+            TrainingInterrupted: after Ctrl-C or SIGTERM, once the checkpoint is saved.
+            KeyboardInterrupt: a second signal, or a callback raising it (saved if between steps).
+            TrainingDivergedError: the loss or the weights went non-finite or past the bound.
         """
-        start = time.perf_counter()
-        self._stop_requested = False
+        self.progress.start_process()
+        self._steps_at_start = self.step
         self._log(self._header())
         note = busy_cpu_note(self.device)
         if note:
             self._log(note, err=True)
-        with self._stop_on_sigint():
-            try:
-                while True:
-                    if self.pending_eval is not None:
-                        self._finish_epoch()
-                    if self.train_loader.epoch >= self.config.epochs:
-                        break
-                    self._train_epoch()
-            except KeyboardInterrupt:
-                self._on_interrupt()
-                raise
-        return self._summarize(time.perf_counter() - start)
+        try:
+            with self._stop.installed():
+                try:
+                    while True:
+                        if self.progress.pending_eval is not None:
+                            self._finish_epoch()
+                        if self.train_loader.epoch >= self.config.epochs:
+                            break
+                        self._train_epoch()
+                    self.progress.stop_process()
+                    self.save_checkpoint()  # the final one: it holds the whole process's wall time
+                except KeyboardInterrupt as stop:
+                    self._on_interrupt(stop)
+                    raise
+            return self._summarize()
+        except BaseException:
+            self._discard_if_unsaved(say=True)
+            raise
 
     def _train_epoch(self) -> None:
         epoch, limit = self.train_loader.epoch, self.steps_per_epoch
-        if self.train_loader.next_batch >= limit:  # resumed with a smaller max_steps_per_epoch
+        if self.train_loader.next_batch >= limit:  # resumed with max_steps_per_epoch = the steps taken
             self.train_loader.set_epoch(epoch + 1)
-            self.pending_eval = epoch
+            self.progress.pending_eval = epoch
             return
         self.model.train()
         if self.device.type == "cuda":
@@ -178,15 +223,15 @@ class Trainer:
         tick = time.perf_counter()
         try:
             self._phase = "step"
-            for x, y in self.train_loader:
-                loss, correct = self._train_step(x, y)
+            for batch in self.train_loader:
+                loss, sums = self.train_step(batch)
                 now = time.perf_counter()
-                self._record_step(loss, correct, int(y.shape[0]), now - tick)
+                self._record_step(loss, sums, self.task.samples(batch[1]), now - tick)
                 tick = now
                 done = self.train_loader.next_batch >= limit
                 if done:  # mark the epoch finished before anything can save the state
                     self.train_loader.set_epoch(epoch + 1)
-                    self.pending_eval = epoch
+                    self.progress.pending_eval = epoch
                 self._phase = "idle"
                 self._after_step(bar, epoch)
                 if done:
@@ -196,42 +241,89 @@ class Trainer:
         finally:  # on an exception the phase stays as it was: _on_interrupt needs it
             bar.close()
 
-    def _train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, int]:
-        x = x.to(self.device, non_blocking=True)
-        y = y.to(self.device, non_blocking=True)
+    # ------------------------------------------------------------------ the step seam
+
+    def train_step(self, batch: Batch) -> tuple[float, dict[str, float]]:
+        """One optimizer step on one batch: returns its loss and the task's batch sums.
+
+        Raises:
+            TrainingDivergedError: the loss diverged; the update was not applied.
+        """
         self.optimizer.zero_grad(set_to_none=True)
+        loss, sums = self.forward_backward(batch)
+        value = float(loss)
+        self._check_divergence(value)
+        self.optimizer_step()
+        return value, sums
+
+    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Forward ``batch``, compute the task's loss and backpropagate (gradients accumulate).
+
+        Returns:
+            The loss (detached) and the task's additive sums of this batch
+            (:meth:`~revtrain.tasks.Task.batch_sums`).
+        """
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
         with self._autocast():
-            logits = self.model(x)
-            loss = F.cross_entropy(logits, y)
+            output = self.model(x)
+            loss = self.task.loss(output, y)
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        sums = self.task.batch_sums(output.detach(), y, loss.detach())
+        return loss.detach(), sums
+
+    def optimizer_step(self) -> None:
+        """Apply the accumulated gradients, advance the learning-rate schedule and the step count."""
+        if self.config.grad_clip is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         if self.scaler is not None:
-            self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
-            loss.backward()
             self.optimizer.step()
         self.scheduler.step()
-        self.step += 1
-        return loss.item(), int((logits.argmax(1) == y).sum().item())
+        self.progress.step += 1
 
-    def _record_step(self, loss: float, correct: int, n: int, seconds: float) -> None:
+    def _check_divergence(self, loss: float) -> None:
+        reason = divergence_reason(loss, self.progress.reference_loss, self.config.divergence_factor)
+        if reason is None:
+            if self.progress.reference_loss is None:
+                self.progress.reference_loss = loss
+            return
+        step, epoch = self.step + 1, self.train_loader.epoch
+        if self.metrics is not None:
+            self.metrics.write("diverged", step=step, epoch=epoch, loss=loss, reason=reason)
+        raise TrainingDivergedError(
+            f"training diverged at step {step} (epoch {epoch + 1}): {reason}; this batch's update was not "
+            f"applied, and {self._kept_checkpoint()}. Lower --lr (now {self.config.lr:g}) or lengthen "
+            "--warmup-epochs, then start again"
+        )
+
+    # ------------------------------------------------------------------ records
+
+    def _record_step(self, loss: float, sums: dict[str, float], samples: int, seconds: float) -> None:
         self.last_loss = loss
-        self._epoch.add(loss * n, correct, n, seconds)
-        self.train_time_s += seconds
-        self.samples_seen += n
+        self.progress.epoch.add(sums, samples, seconds)
+        self._this_process.add({}, samples, seconds)
+        self.progress.train_time_s += seconds
+        self.progress.samples_seen += samples
         self._memory = live_memory(self.device)
-        if self._memory[0] is not None and self._memory[0] > self._peak_memory[0]:
-            self._peak_memory = (self._memory[0], self._memory[1])
+        self.progress.note_memory(self._memory)
+        if self._memory[0] is not None and self._memory[0] > self._process_peak[0]:
+            self._process_peak = (self._memory[0], self._memory[1])
 
     def _after_step(self, bar: Any, epoch: int) -> None:
-        stats, lr = self._epoch, self.optimizer.param_groups[0]["lr"]
+        stats, lr = self.progress.epoch, self.optimizer.param_groups[0]["lr"]
+        running = self.task.summarize(stats.sums)
         mem_bytes, mem_kind = self._memory
         if self.step % self.config.log_every == 0:
-            self.metrics.write("step", step=self.step, epoch=epoch, loss=self.last_loss, acc=stats.accuracy,
-                               lr=lr, samples_per_s=stats.throughput, memory_bytes=mem_bytes,
-                               memory_kind=mem_kind)
+            assert self.metrics is not None
+            self.metrics.write("step", step=self.step, epoch=epoch, loss=self.last_loss,
+                               **{k: v for k, v in running.items() if k != "loss"}, lr=lr,
+                               samples_per_s=stats.throughput, memory_bytes=mem_bytes, memory_kind=mem_kind)
         if not bar.disable:
-            bar.set_postfix_str(f"loss {self.last_loss:.3f} acc {stats.accuracy:.1%} lr {lr:.3g} "
+            bar.set_postfix_str(f"{self.task.format({**running, 'loss': self.last_loss})} lr {lr:.3g} "
                                 f"{stats.throughput:.0f} samples/s {mem_kind} {format_bytes(mem_bytes or 0)}",
                                 refresh=False)
             bar.update(1)
@@ -239,128 +331,79 @@ class Trainer:
             self.save_checkpoint()
         for callback in self.callbacks:
             callback(self)
-        if self._stop_requested:
-            raise KeyboardInterrupt
+        self._stop.check()
 
     def _finish_epoch(self) -> None:
-        epoch = self.pending_eval
-        assert epoch is not None
+        epoch = self.progress.pending_eval
+        assert epoch is not None and self.metrics is not None
         self._phase = "eval"
-        test_loss, test_acc = self.evaluate()
-        stats = self._epoch
-        mem_bytes, mem_kind = self._peak_memory
+        test = self.evaluate()
+        stats = self.progress.epoch
+        train = self.task.summarize(stats.sums)
+        mem_bytes, mem_kind = self._process_peak
         record = {
-            "epoch": epoch, "step": self.step, "train_loss": stats.loss, "train_acc": stats.accuracy,
-            "test_loss": test_loss, "test_acc": test_acc, "lr": self.optimizer.param_groups[0]["lr"],
+            "epoch": epoch, "step": self.step, **{f"train_{k}": v for k, v in train.items()},
+            **{f"test_{k}": v for k, v in test.items()}, "lr": self.optimizer.param_groups[0]["lr"],
             "samples_per_s": stats.throughput, "epoch_train_time_s": stats.seconds,
             "memory_bytes": mem_bytes, "memory_kind": mem_kind,
         }
-        self.history.append(record)
+        self.progress.history.append(record)
         self.metrics.write("epoch", **record)
         self._log(
             f"epoch {epoch + 1:>{len(str(self.config.epochs))}}/{self.config.epochs}  "
-            f"train loss {stats.loss:.4f} acc {stats.accuracy:6.2%}  test loss {test_loss:.4f} "
-            f"acc {test_acc:6.2%}  lr {record['lr']:.3g}  {stats.throughput:.0f} samples/s  "
-            f"{mem_kind} {format_bytes(mem_bytes)}  {stats.seconds:.1f}s"
+            f"train {self.task.format(train)}  test {self.task.format(test)}  lr {record['lr']:.3g}  "
+            f"{stats.throughput:.0f} samples/s  {mem_kind} {format_bytes(mem_bytes)}  {stats.seconds:.1f}s"
         )
-        self.pending_eval = None
-        self._epoch = EpochStats()
-        self.save_checkpoint()
+        self.progress.pending_eval = None
+        self.progress.epoch = EpochStats()
+        if self.train_loader.epoch < self.config.epochs:  # after the last epoch, fit() saves
+            self.save_checkpoint()
         self._phase = "idle"
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, float]:
-        """Mean cross-entropy and top-1 accuracy on the test split (changes no training state)."""
+    def evaluate(self) -> dict[str, float]:
+        """The task's metrics on the test split (changes no training state)."""
         was_training = self.model.training
         self.model.eval()
         self.test_loader.set_epoch(0)
-        loss_sum, correct, count = 0.0, 0, 0
+        sums: dict[str, float] = {}
         try:
-            for x, y in self.test_loader:
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            for batch in self.test_loader:
+                x, y = (t.to(self.device, non_blocking=True) for t in batch)
                 with self._autocast():
-                    logits = self.model(x)
-                loss_sum += F.cross_entropy(logits.float(), y, reduction="sum").item()
-                correct += int((logits.argmax(1) == y).sum().item())
-                count += int(y.shape[0])
-                if self._stop_requested:
-                    raise KeyboardInterrupt
+                    output = self.model(x)
+                add_sums(sums, self.task.batch_sums(output, y))
+                self._stop.check()
         finally:
             self.model.train(was_training)
-        return loss_sum / max(count, 1), correct / max(count, 1)
+        return self.task.summarize(sums)
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything an exact resume needs (the checkpoint's content)."""
-        return {
-            "model_name": self.config.model,
-            "model": self.model.state_dict(),
-            "modes": get_modes(self.model),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng": capture_rng_state(),
-            "train_loader": self.train_loader.state_dict(),
-            "step": self.step,
-            "pending_eval": self.pending_eval,
-            "epoch_stats": self._epoch.to_dict(),
-            "history": self.history,
-            "train_time_s": self.train_time_s,
-            "samples_seen": self.samples_seen,
-            "config": self.config.to_dict(),
-            "data": self.data_info.to_dict(),
-        }
+    def save_checkpoint(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Write the training state atomically (default: ``<run_dir>/checkpoint.pt``); returns the path.
 
-    def save_checkpoint(self, path: str | Path | None = None) -> Path:
-        """Write :meth:`state_dict` atomically (default: ``<run_dir>/checkpoint.pt``)."""
+        Raises:
+            TrainingDivergedError: the weights hold NaN or infinity; the previous checkpoint is kept.
+            DiskFullError: no space left; the previous checkpoint is kept.
+        """
         if self._phase == "step":
             raise RuntimeError("cannot checkpoint in the middle of a training step")
-        return save_checkpoint(self.state_dict(), path or self.checkpoint_path)
-
-    def _load(self, path: Path) -> None:
-        state = load_checkpoint(path)
-        check_model_state(path, state, self.config.model, self.model)
-        saved_data = state.get("data", {})
-        if saved_data.get("name") not in (None, self.data_info.name):
-            raise IncompatibleCheckpointError(
-                f"checkpoint {path} was trained on {saved_data['name']!r}, this run loads "
-                f"{self.data_info.name!r}; pass --dataset {saved_data['name']} to resume it"
+        bad = non_finite_entries(self.model.state_dict())
+        if bad:
+            raise TrainingDivergedError(
+                f"the weights turned NaN or infinite by step {self.step} ({', '.join(bad[:3])}); no checkpoint "
+                f"was written, and {self._kept_checkpoint()}. Lower --lr (now {self.config.lr:g}) or "
+                "lengthen --warmup-epochs, then start again"
             )
-        try:
-            self.model.load_state_dict(state["model"])
-            set_modes(self.model, state["modes"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            if self.scaler is not None and state.get("scaler"):
-                self.scaler.load_state_dict(state["scaler"])
-            self.train_loader.load_state_dict(state["train_loader"])
-        except (ValueError, KeyError, RuntimeError) as err:
-            raise IncompatibleCheckpointError(
-                f"checkpoint {path} does not fit this run: {err}. Resume with the options of the "
-                "run that wrote it (its config.json), or start a fresh run without --resume"
-            ) from None
-        self.step = int(state["step"])
-        self.pending_eval = state["pending_eval"]
-        self._epoch = EpochStats(**state["epoch_stats"])
-        self.history = list(state["history"])
-        self.train_time_s = float(state["train_time_s"])
-        self.samples_seen = int(state["samples_seen"])
-        self._apply_hyperparameters()
-        restore_rng_state(state["rng"])
-        self._log(f"resumed from {path}: epoch {self.train_loader.epoch + 1}, batch "
-                  f"{self.train_loader.next_batch}, step {self.step}")
+        return save_checkpoint(self.state.capture(self.config), path or self.checkpoint_path)
 
-    def _apply_hyperparameters(self) -> None:
-        """Put the config's optimizer settings over the loaded ones (identical unless overridden)."""
-        factor = self.schedule.factor(self.scheduler.last_epoch)
-        self.scheduler.base_lrs = [self.config.lr] * len(self.optimizer.param_groups)
-        for group in self.optimizer.param_groups:
-            group.update(initial_lr=self.config.lr, lr=self.config.lr * factor, momentum=self.config.momentum,
-                         nesterov=self.config.nesterov,
-                         weight_decay=self.config.weight_decay if group.get("name") == "decay" else 0.0)
+    def _kept_checkpoint(self) -> str:
+        if self.checkpoint_path.exists():
+            return f"the last checkpoint, {self.checkpoint_path}, is kept"
+        return "no checkpoint had been saved yet"
 
-    def _on_interrupt(self) -> None:
+    def _on_interrupt(self, stop: KeyboardInterrupt) -> None:
         if self._phase == "step":
             exists = self.checkpoint_path.exists()
             where = f"{self.checkpoint_path} is untouched" if exists else "none was saved"
@@ -368,39 +411,63 @@ class Trainer:
                       f"(the last one, {where})", err=True)
             return
         path = self.save_checkpoint()
-        self.metrics.write("interrupt", step=self.step, checkpoint=str(path))
-        self._log(f"interrupted at step {self.step} (epoch {self.train_loader.epoch + 1}, batch "
+        by = signal.Signals(stop.signum).name if isinstance(stop, TrainingInterrupted) else "SIGINT"
+        assert self.metrics is not None
+        self.metrics.write("interrupt", step=self.step, checkpoint=str(path), signal=by)
+        cause = "terminated (SIGTERM)" if by == "SIGTERM" else "interrupted"
+        self._log(f"{cause} at step {self.step} (epoch {self.train_loader.epoch + 1}, batch "
                   f"{self.train_loader.next_batch}); checkpoint saved to {path}\n"
                   f"resume with: revtrain train --resume {path}", err=True)
 
+    def _discard_if_unsaved(self, *, say: bool) -> None:
+        """A run that fails before its first checkpoint leaves nothing to resume: remove its files."""
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.folder.discard() and say:
+            self._log(f"no checkpoint was saved, so the run folder {self.run_dir} was removed", err=True)
+
     # ------------------------------------------------------------------ modes and summary
 
-    def first_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def first_batch(self) -> Batch:
         """Batch 0 of epoch 0 of the training loader, without moving the loader."""
         probe = copy.copy(self.train_loader)
         probe.set_epoch(0)
         return next(iter(probe))
 
-    def _summarize(self, wall_s: float) -> dict[str, Any]:
-        last = self.history[-1] if self.history else {}
-        summary: dict[str, Any] = {
-            "model": self.config.model, "dataset": self.config.dataset, "device": str(self.device),
-            "epochs": self.config.epochs, "steps": self.step,
-            "test_acc": last.get("test_acc"), "test_loss": last.get("test_loss"),
-            "train_acc": last.get("train_acc"), "wall_time_s": round(wall_s, 3),
-            "train_time_s": round(self.train_time_s, 3),
-            "samples_per_s": self.samples_seen / self.train_time_s if self.train_time_s else None,
-            "train_peak_memory_bytes": self._peak_memory[0], "train_peak_memory_kind": self._peak_memory[1],
-            "run_dir": str(self.run_dir),
+    def _summarize(self) -> dict[str, Any]:
+        p, this = self.progress, self._this_process
+        last = p.history[-1] if p.history else {}
+        names = list(self.task.summarize({}))
+        this_process = {
+            "steps": p.step - self._steps_at_start, "wall_time_s": round(p.process_wall_time_s, 3),
+            "train_time_s": round(this.seconds, 3), "samples_per_s": this.throughput or None,
+            "train_peak_memory_bytes": self._process_peak[0] or None,
+            "train_peak_memory_kind": self._process_peak[1] or None,
         }
+        summary: dict[str, Any] = {
+            "model": self.config.model, "dataset": self.config.dataset, "task": self.task.name,
+            "headline": self.task.headline, "device": str(self.device), "epochs": self.config.epochs,
+            "steps": p.step,
+            **{f"test_{k}": last.get(f"test_{k}") for k in names},
+            **{f"train_{k}": last.get(f"train_{k}") for k in names},
+            "wall_time_s": round(p.wall_time_s, 3), "train_time_s": round(p.train_time_s, 3),
+            "samples_per_s": p.samples_seen / p.train_time_s if p.train_time_s else None,
+            "train_peak_memory_bytes": p.peak_memory[0], "train_peak_memory_kind": p.peak_memory[1],
+            "processes": p.processes, "this_process": this_process, "run_dir": str(self.run_dir),
+        }
+        resumed = f"; this process: {this_process['steps']} steps in {p.process_wall_time_s:.1f}s" \
+            if p.processes > 1 else ""
+        test = {k: summary[f"test_{k}"] for k in names}
         lines = [
-            f"done: {self.config.model} on {self.config.dataset}, {self.step} steps in {wall_s:.1f}s "
-            f"({summary['samples_per_s'] or 0:.0f} samples/s training)",
-            f"test accuracy {summary['test_acc'] or 0:.2%} (loss {summary['test_loss'] or 0:.4f})",
+            f"done: {self.config.model} on {self.config.dataset}, {p.step} steps in {p.wall_time_s:.1f}s "
+            f"({summary['samples_per_s'] or 0:.0f} samples/s training){resumed}",
+            f"test {self.task.format(test)}" if last else "test: not evaluated yet",
         ]
         if self.config.memory_report:
-            report = measure_step_memory(self.model, self.first_batch(), get_modes(self.model),
-                                         self.device, self._autocast)
+            batch = self.task.example_batch(self.input_spec, min(self.config.batch_size, self.data_info.train_size),
+                                            seed=self.config.seed)
+            report = measure_step_memory(self.model, batch, get_modes(self.model), self.device, self._autocast,
+                                         loss_fn=self.task.loss, make_optimizer=optimizer_factory(self.config))
             summary.update(report.to_dict())
             blocks = len(report.modes)
             modes = (f"{summary['blocks_in_M']} M / {summary['blocks_in_C']} C of {blocks} reversible blocks"
@@ -410,7 +477,8 @@ class Trainer:
                 f"plain backprop needs {format_bytes(report.plain_bytes)} ({report.ratio:.2f}x)"
             )
         lines.append(f"run folder: {self.run_dir} (summary.json, metrics.jsonl, checkpoint.pt)")
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        assert self.metrics is not None
         self.metrics.write("summary", **summary)
         self.metrics.close()
         self._log("\n".join(lines))
@@ -425,7 +493,8 @@ class Trainer:
             f"{f'{len(modes)} reversible blocks: {counts}' if modes else 'no reversible blocks'}) on "
             f"{info.name} ({info.train_size} train / {info.test_size} test, "
             f"{'x'.join(map(str, info.input_shape))}), {self.device}"
-            f"{f', amp {self.config.amp}' if self.config.amp else ''}; {self.config.epochs} epochs x "
+            f"{f', amp {self.config.amp}' if self.config.amp else ''}"
+            f"{f', compiled ({len(self.compiled)} modules)' if self.compiled else ''}; {self.config.epochs} epochs x "
             f"{self.steps_per_epoch} steps of {self.config.batch_size}; run folder {self.run_dir}"
         )
 
@@ -442,22 +511,3 @@ class Trainer:
 
     def _log(self, message: str, *, err: bool = False) -> None:
         tqdm.write(message, file=sys.stderr if err else self.out)
-
-    @contextmanager
-    def _stop_on_sigint(self) -> Iterator[None]:
-        """First Ctrl-C: stop after this step (and save). Second: abort at once."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def request_stop(signum: int, frame: Any) -> None:
-            if self._stop_requested:
-                raise KeyboardInterrupt
-            self._stop_requested = True
-            self._log("\nstopping after this step to save a checkpoint (Ctrl-C again to abort now)", err=True)
-
-        previous = signal.signal(signal.SIGINT, request_stop)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from revtrain.bench.planner import (
+from revtrain.bench.batch_sweep import (
     SETTINGS,
     PlannerBenchConfig,
     PlannerBenchResult,
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = PlannerBenchConfig(
     model="revnet38", batch_sizes=(2, 8, 32), input_shape=(3, 16, 16), repeats=1, warmup=1,
-    profile_repeats=1, refine=2, threads=1,
+    profile_repeats=1, refine=2, threads=1, device="cpu", t_e_max_pairs=5,
 )
 
 
@@ -94,11 +94,27 @@ def test_script_writes_results_and_figures(tmp_path):
     out = tmp_path / "quick"
     argv = ["--model", "revnet38", "--device", "cpu", "--batch-sizes", "2", "4", "--input-shape", "3", "8", "8",
             "--budget", "64MiB", "--repeats", "1", "--warmup", "1", "--profile-repeats", "1", "--refine", "1",
-            "--out", str(out)]
+            "--t-e-max-pairs", "5", "--out", str(out)]
     assert script.main(argv) == 0
     text = out.with_suffix(".md").read_text()
     assert "command: `--model revnet38" in text and "64.00 MiB" in text and "load average" in text
     data = json.loads(out.with_suffix(".json").read_text())
-    assert [r["batch_size"] for r in data["rows"]] == [2, 4]
+    assert data["kind"] == "revtrain.planner-benchmark" and data["version"] == 2
+    assert [r["batch_size"] for r in data["payload"]["rows"]] == [2, 4]
+    # --from-json draws the same tables again without measuring.
+    again = tmp_path / "again"
+    assert script.main(["--from-json", str(out.with_suffix(".json")), "--out", str(again)]) == 0
+    tables = lambda md: md.split("## Time per iteration")[1].split("## Figures")[0]  # noqa: E731
+    assert tables(again.with_suffix(".md").read_text()) == tables(text)
     for suffix in ("_heatmap.png", "_step_times.png"):
         assert (tmp_path / f"quick{suffix}").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_script_options_come_from_the_config():
+    spec = importlib.util.spec_from_file_location("planner_sweep", ROOT / "benchmarks" / "planner_sweep.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script.parse_args(["--model", "revnet38", "--budget", "64MiB", "--t-e-precision", "0.1"])
+    assert (args.model, args.budget, args.t_e_precision) == ("revnet38", "64MiB", 0.1)
+    with pytest.raises(ValueError, match="unknown unit"):
+        PlannerBenchConfig(budget="5 parsecs")

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from revtrain.bench import (
-    METHODS,
+    OURS,
     GradientMismatchError,
     StackBenchConfig,
     format_table,
@@ -30,7 +30,7 @@ def rows():
 
 
 def test_every_depth_and_method_has_a_complete_row(rows):
-    assert [(r.depth, r.method) for r in rows] == [(d, m) for d in TINY.depths for m in METHODS]
+    assert [(r.depth, r.method) for r in rows] == [(d, m) for d in TINY.depths for m in OURS]
     for r in rows:
         assert len(r.times_s) == TINY.repeats
         assert all(t > 0 and math.isfinite(t) for t in r.times_s)
@@ -85,3 +85,25 @@ def test_a_broken_path_is_refused(monkeypatch):
 def test_bad_configs_are_refused_with_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         StackBenchConfig(device="cpu", **kwargs)
+
+
+def test_unknown_or_missing_peer_is_refused_before_building(monkeypatch):
+    from revtrain.bench import peers
+
+    monkeypatch.setattr(peers.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="revlib is not installed.*--no-deps"):
+        StackBenchConfig(methods=("plain", "revlib"))
+
+
+@pytest.mark.parametrize("peer", ["revlib", "memcnn", "reformer", "revtorch"])
+def test_each_installed_peer_computes_our_function(peer):
+    """A peer column is only meaningful if the peer trains the same function: its gradients
+    are checked against plain autograd inside the benchmark (GradientMismatchError otherwise)."""
+    from revtrain.bench.peers import peer_status
+
+    if peer_status(peer):
+        pytest.skip(peer_status(peer))
+    config = StackBenchConfig(batch=2, channels=8, size=4, depths=(2,), methods=("plain", peer),
+                              repeats=1, warmup=0, device="cpu", measure_memory=False)
+    rows = run_stack_benchmark(config)
+    assert rows[1].method == peer and rows[1].grad_rel_err < 1e-5

@@ -135,8 +135,8 @@ def test_unused_output_half_gets_zero_gradient(mode):
 
     set_modes(model, mode)
     x1, x2 = _x(3)[:, :4], _x(3)[:, 4:]
-    y1, _ = model(x1, x2)
+    y1, _ = model((x1, x2))
     y1.square().sum().backward()
-    r1, _ = twin(x1, x2)
+    r1, _ = twin((x1, x2))
     r1.square().sum().backward()
     assert_grads_close(grads(model), grads(twin), REL)

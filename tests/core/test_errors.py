@@ -120,7 +120,7 @@ def test_mixed_dtypes_or_devices_between_halves(x2, match):
         x2 = torch.randn(2, 4, device="cuda")
     block = ReversibleBlock(nn.Linear(4, 4), nn.Linear(4, 4))
     with pytest.raises(ReversibilityError, match=match):
-        block(torch.randn(2, 4), x2)
+        block((torch.randn(2, 4), x2))
 
 
 def test_unknown_mode_and_unknown_block_names():

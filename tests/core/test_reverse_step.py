@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from revtrain import verify_invertible
-from revtrain.core.function import _ReversibleRun
+from revtrain.core.function import _ReversibleRun, run_spec
 from revtrain.core import Invertible, ReversibleBlock, get_modes, reverse_step, set_modes
 from tests.core.helpers import assert_grads_close, grads, make_stack, plain_twin
 
@@ -62,7 +62,7 @@ def test_reverse_step_on_pairs_and_running_statistics():
     seq = make_stack(2).double()
     x1, x2 = torch.randn(2, 4, 5, 5, dtype=torch.float64), torch.randn(2, 4, 5, 5, dtype=torch.float64)
     with torch.no_grad():
-        y1, y2 = seq(x1, x2)
+        y1, y2 = seq((x1, x2))
     after_forward = _stats(seq)
     (r1, r2), (d1, d2) = reverse_step(seq, (y1, y2), (torch.ones_like(y1), None))
     torch.testing.assert_close((r1, r2), (x1, x2), rtol=F64_REL, atol=F64_REL)
@@ -139,7 +139,7 @@ def test_gradcheck_through_a_generic_invertible():
     x = torch.randn(2, 3, 2, 2, dtype=torch.float64, requires_grad=True)
 
     def fn(t, *ps):  # gradcheck perturbs the parameters in place; the layers read them
-        return _ReversibleRun.apply(layers, None, params, 1, t, *ps)
+        return _ReversibleRun.apply(run_spec(layers, 1), t, *ps)
 
     assert torch.autograd.gradcheck(fn, (x, *(p for plist in params for p in plist)), eps=1e-6, atol=1e-8)
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from revtrain.core import get_modes, set_modes
-from revtrain.models import create_model, list_models, model_info
+from revtrain.models import create_model, example_batch, list_models, model_info
 from revtrain.models.blocks import PadShortcut
 from revtrain.models.revnet_single_branch import NoUpdate
 
@@ -65,13 +65,22 @@ def _assert_close_scaled(actual, expected, what):
         )
 
 
-@pytest.mark.parametrize("name", list_models())
+# The convolutional zoo; Transformers (token inputs, fixed patch grids) have their own
+# registry-driven tests in test_transformer.py.
+CONV_MODELS = [
+    n for n in list_models()
+    if model_info(n).builder.__module__ not in ("revtrain.models.transformer", "revtrain.models.vit")
+]
+
+
+@pytest.mark.parametrize("name", CONV_MODELS)
 def test_forward_backward_and_m_mode_equals_c_mode(name):
     torch.manual_seed(0)
     # The digits' shape (1 channel, small images) with a non-default class count.
     model = create_model(name, num_classes=5, in_channels=1).double().train()
     size = _input_size(name)
-    x = torch.randn(4, 1, size, size, dtype=torch.float64)
+    x, _ = example_batch(name, 4, seed=0, input_size=(1, size, size), num_classes=5)  # (4, 1, size, size)
+    x = x.double()
     weights = torch.randn(4, 5, dtype=torch.float64)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
 

@@ -21,6 +21,7 @@ def test_every_table_model_has_a_paper_count():
         "resnet32", "resnet110", "resnet164", "resnet101", "revnet38", "revnet110", "revnet164",
         "revnet104", "resnet18_imagenet", "resnet34_imagenet", "resnet50_imagenet",
         "revnet18_imagenet", "revnet34_imagenet", "revnet50_imagenet",
+        "resnext101_iabn", "resnext101_bn",
     }
 
 
@@ -42,3 +43,8 @@ def test_param_table_lists_every_model():
     table = param_table().splitlines()
     assert len(table) == 2 + len(list_models())
     assert any(row.startswith("| `revnet104` ") and "45.2M" in row for row in table)
+
+
+@pytest.mark.parametrize("reversible,plain", [("resnext29_iabn", "resnext29_bn"), ("resnext101_iabn", "resnext101_bn")])
+def test_in_place_abn_models_have_their_twins_parameter_count(reversible, plain):
+    assert count_params(reversible) == count_params(plain)

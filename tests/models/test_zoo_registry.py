@@ -18,6 +18,14 @@ EXPECTED_MODELS = {
     # PETRA, §4.1 (CIFAR stem by default, ImageNet stem with the suffix)
     "resnet18", "resnet34", "resnet50", "resnet18_imagenet", "resnet34_imagenet", "resnet50_imagenet",
     "revnet18", "revnet34", "revnet50", "revnet18_imagenet", "revnet34_imagenet", "revnet50_imagenet",
+    # Jiang et al. 2021 §4.4: ResNeXt with In-place ABN, and plain twins
+    "resnext29_iabn", "resnext29_bn", "resnext101_iabn", "resnext101_bn",
+}
+# Reversible Transformers and their plain twins (tested in test_transformer.py).
+TRANSFORMER_MODELS = {
+    "revformer_tiny", "revformer_small", "revformer_enwik8",
+    "transformer_tiny", "transformer_small", "transformer_enwik8",
+    "revvit_digits", "revvit_cifar", "vit_digits", "vit_cifar",
 }
 
 # Reversible blocks implied by the papers' architectures: every unit except a group's first
@@ -30,6 +38,9 @@ REVERSIBLE_BLOCKS = {
     "revnet18": 2 + 1 + 1 + 1,  # one reversible block per residual block of ResNet-18
     "revnet34": 3 + 3 + 5 + 2,
     "revnet50": 2 + 3 + 5 + 2,  # bottleneck: stage 1 widens 64 -> 256
+    # In-place ABN layers: three per unit, the head's one, and the ImageNet stem's two
+    "resnext29_iabn": 3 * 9 + 1,
+    "resnext101_iabn": 3 * 33 + 1 + 2,
 }
 
 
@@ -45,7 +56,7 @@ def _meta_default(name: str) -> nn.Module:
 
 
 def test_registry_holds_exactly_the_zoo():
-    assert set(list_models()) == EXPECTED_MODELS
+    assert set(list_models()) == EXPECTED_MODELS | TRANSFORMER_MODELS
 
 
 def test_list_models_filters_with_shell_patterns_and_sorts():
@@ -67,8 +78,8 @@ def test_unknown_name_raises_with_close_matches(lookup):
 
 
 def test_unknown_name_without_close_match_points_to_the_list():
-    with pytest.raises(ValueError, match=r"unknown model 'transformer'; see `revtrain models`"):
-        create_model("transformer")
+    with pytest.raises(ValueError, match=r"unknown model 'lstm'; see `revtrain models`"):
+        create_model("lstm")
 
 
 def test_registering_a_taken_name_raises():
@@ -109,8 +120,8 @@ def test_reversible_structure_matches_the_paper(name):
     assert model_info(name).reversible == bool(blocks)
     base = name.removesuffix("_imagenet")
     assert len(blocks) == REVERSIBLE_BLOCKS.get(base, 0)
-    if not blocks:
-        return
+    if not blocks or not isinstance(blocks[0][1], ReversibleBlock):
+        return  # invertible layers (In-place ABN) are not grouped in sequences
     # All reversible blocks of a stage sit in one ReversibleSequence (flat memory in M-mode).
     sequences = [m for m in model.modules() if isinstance(m, ReversibleSequence)]
     assert len(sequences) == len(model.stages)

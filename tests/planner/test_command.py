@@ -2,75 +2,79 @@
 
 from __future__ import annotations
 
-import argparse
-import io
-import types
-
 import pytest
 
+from revtrain.cli import main
 from revtrain.planner import Plan, SweepResult
-from revtrain.planner.command import add_plan_arguments, run_plan
 
 from .helpers import PNG_SIGNATURE, TinyRevNet
-
-models = pytest.importorskip("revtrain.models")
 
 
 @pytest.fixture
 def tiny_zoo(monkeypatch):
-    """The registry's entry points answer 'tiny' with the tests' small RevNet."""
-    real_info = models.model_info
+    """The registry answers 'tiny' with the tests' small RevNet on 3x12x12 images."""
+    from revtrain.models import ModelInfo, registry
+    from revtrain.models.inputs import image_input
 
-    def model_info(name):
-        if name == "tiny":
-            return types.SimpleNamespace(input_size=(3, 12, 12), num_classes=10)
-        return real_info(name)
+    def tiny(num_classes: int = 10, in_channels: int = 3) -> TinyRevNet:
+        assert in_channels == 3
+        return TinyRevNet(num_classes=num_classes)
 
-    def create_model(name, **overrides):
-        assert name == "tiny" and overrides == {"num_classes": 10, "in_channels": 3}
-        return TinyRevNet()
-
-    monkeypatch.setattr(models, "model_info", model_info)
-    monkeypatch.setattr(models, "create_model", create_model)
+    info = ModelInfo(name="tiny", builder=tiny, reversible=True, dataset="synthetic",
+                     inputs=image_input(3, 12, 12, 10), paper="")
+    monkeypatch.setitem(registry._REGISTRY, "tiny", info)
 
 
-def run(*argv: str) -> tuple[int, str, str]:
-    args = add_plan_arguments(argparse.ArgumentParser(prog="revtrain plan")).parse_args(list(argv))
-    out, err = io.StringIO(), io.StringIO()
-    code = run_plan(args, out=out, err=err)
-    return code, out.getvalue(), err.getvalue()
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["plan", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
 
 
-FAST = ("--repeats", "1", "--warmup", "1")
+FAST = ("--repeats", "1", "--warmup", "1", "--t-e-max-pairs", "5")
 
 
-def test_plan_prints_the_report_and_writes_plan_and_figures(tiny_zoo, tmp_path):
+def test_plan_prints_the_report_and_writes_plan_and_figures(tiny_zoo, tmp_path, capsys):
     code, out, err = run(
-        "--model", "tiny", "--batch-size", "8", "--budget", "500KiB", "--device", "cpu",
-        "--out", str(tmp_path / "plan.json"), "--sweep", "4", "--confirm", "1", "--refine", "1",
+        capsys, "--model", "tiny", "--batch-size", "8", "--budget", "500KiB", "--device", "cpu",
+        "--out", str(tmp_path / "plan.json"), "--sweep", "4,8", "--confirm", "2", "--refine", "1",
         "--plots-dir", str(tmp_path / "figs"), *FAST,
     )
     assert code == 0, err
-    for words in ("t_e ms", "m_i (tracker)", "pred step s", "meas peak", "plan ", "baseline-M", "best batch size"):
-        assert words in out
+    for words in ("profiling: t_e of each block", "t_e ms", "IQR ms", "pairs", "m_i (tracker)", "pred step s",
+                  "meas peak", "plan ", "baseline-M", "best batch size", "step memory (batch 8, "):
+        assert words in out, words
     assert "baseline-C   does not fit the budget" in out  # its peak is ~549 KiB at batch 8
     plan = Plan.from_json(tmp_path / "plan.json")
     assert plan.model == "tiny" and plan.batch_size == 8 and len(plan.modes) == 5
     assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes
+    assert f"measured step {plan.measured_step_time_s:.4g} s" in out  # predicted and measured, side by side
     for name in ("plan_heatmap.png", "plan_step_times.png"):
         assert (tmp_path / "figs" / name).read_bytes()[:8] == PNG_SIGNATURE
-    assert SweepResult.from_json(tmp_path / "figs" / "plan_sweep.json").block_names == list(plan.modes)
+    sweep = SweepResult.from_json(tmp_path / "figs" / "plan_sweep.json")
+    assert sweep.block_names == list(plan.modes)
+    # The sweep plans its best sizes with the same pipeline, from the same profile at batch 8:
+    # the same plan as plan.json.
+    at_8 = sweep.point(8)
+    assert at_8.planned and at_8.modes == plan.modes and at_8.predicted_step_time_s == plan.predicted_step_time_s
 
 
-def test_impossible_budget_says_what_fits_and_exits_2(tiny_zoo, tmp_path):
-    code, out, err = run("--model", "tiny", "--batch-size", "8", "--budget", "200KiB", "--device", "cpu",
+def test_impossible_budget_says_what_fits_and_exits_2(tiny_zoo, tmp_path, capsys):
+    code, out, err = run(capsys, "--model", "tiny", "--batch-size", "8", "--budget", "210KiB", "--device", "cpu",
                          "--out", str(tmp_path / "plan.json"), *FAST)
     assert code == 2
-    assert err.startswith("error: budget 200.00 KiB is below")
-    # The baseline-M peak is ~57 KiB fixed + ~47 KiB per sample here: batch 3 fits.
+    assert err.startswith("revtrain plan: error: budget 210.00 KiB is below")
+    # The baseline-M peak is ~58 KiB fixed + ~48 KiB per sample here: batch 3 fits (3.2).
     assert "the largest batch size that fits is about 3" in err
     assert "Traceback" not in err + out
     assert not (tmp_path / "plan.json").exists()
+
+
+def test_a_budget_below_the_model_and_batch_is_refused_before_profiling(tiny_zoo, tmp_path, capsys):
+    code, out, err = run(capsys, "--model", "tiny", "--batch-size", "8", "--budget", "10KiB", "--device", "cpu",
+                         "--out", str(tmp_path / "plan.json"), *FAST)
+    assert code == 2 and "refused before profiling" in err
+    assert "profiling" not in out
 
 
 @pytest.mark.parametrize(
@@ -78,12 +82,35 @@ def test_impossible_budget_says_what_fits_and_exits_2(tiny_zoo, tmp_path):
     [
         (("--model", "tiny", "--budget", "1.5"), "fraction"),
         (("--model", "tiny", "--budget", "5 parsecs"), "unknown unit"),
-        (("--model", "tiny", "--input-shape", "3,x"), "--input-shape"),
-        (("--model", "tiny", "--batch-size", "0"), "--batch-size"),
+        (("--model", "tiny", "--input-shape", "3", "0", "12"), "input_shape"),
+        (("--model", "tiny", "--batch-size", "0"), "batch_size"),
+        (("--model", "tiny", "--sweep", "8:4"), "batch sizes"),
+        (("--model", "tiny", "--t-e-precision", "0"), "precision"),
+        (("--model", "tiny", "--threads", "0"), "threads"),
         (("--model", "no_such_model",), "unknown model"),
     ],
 )
-def test_bad_requests_exit_2_with_one_line(tiny_zoo, argv, words):
-    code, out, err = run(*argv, "--device", "cpu")
+def test_bad_requests_exit_2_with_one_line_before_anything_runs(tiny_zoo, monkeypatch, capsys, argv, words):
+    import revtrain.planner.command as command
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("measured before every option was checked")
+
+    monkeypatch.setattr(command, "prepare", must_not_run)
+    code, out, err = run(capsys, *argv, "--device", "cpu")
     assert code == 2
-    assert words in err and "Traceback" not in err
+    assert words in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_the_options_come_from_the_config_docstrings(capsys):
+    from revtrain.planner.command import PlanConfig
+    from revtrain.train import field_docs
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name, doc in field_docs(PlanConfig).items():
+        assert "--" + name.replace("_", "-") in text
+        assert " ".join(doc.split())[:40] in text
+    assert "--no-verify" in text and "(default: 128)" in text

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from revtrain.core import get_modes, reversible_blocks
-from revtrain.planner import BudgetTooSmallError, Plan, make_plan, measure_step_stats, plan_for_model
+from revtrain.planner import BudgetTooSmallError, Plan, make_plan, measure_steps, plan_for_model, prepare
 
 from .helpers import assert_same, snapshot, tiny_model
 
@@ -46,7 +46,8 @@ def test_plan_keeps_a_real_training_step_within_the_budget(setting, fraction, re
 
 def peak_of(model, batch, modes) -> int:
     """Peak bytes of one real training step with ``modes`` (after one step of warm-up)."""
-    return measure_step_stats(model, batch, modes=modes, repeats=0, warmup=1).peak_bytes
+    with prepare(model, batch, repeats=0, warmup=1) as setup:
+        return measure_steps(setup, {"step": modes})["step"].peak_bytes
 
 
 def test_refining_finds_a_faster_plan_that_still_fits(setting):
@@ -92,3 +93,86 @@ def test_measured_baseline_c_within_budget_gives_all_c(setting):
     plan = plan_for_model(model, batch, peak_c, profile=profile, verify=False)
     assert set(plan.modes.values()) == {"C"}
     assert plan.predicted_peak_bytes == peak_c
+
+
+def test_plan_for_model_prepares_once(setting, monkeypatch):
+    """One call copies the model's state once and moves the model and the batch once.
+
+    Counted where it happens: ``state_dict()`` of the model (a copy is taken from it) and
+    ``copy.deepcopy`` of it; ``Module.to`` on the model; ``Tensor.to`` on the batch's tensors
+    and on whatever a move of them returned. The core's ``verify_invertible`` (stage 1) takes a
+    copy of its own to put batch-norm statistics back; it is counted apart.
+    """
+    import copy
+    import sys
+
+    import torch
+
+    model, batch = tiny_model(), (setting[1][0].clone(), setting[1][1].clone())
+    counts = {"planner copies": 0, "verify copies": 0, "model moves": 0, "batch moves": 0}
+    batch_ids = {id(t) for t in batch}
+    real_state_dict, real_module_to, real_tensor_to = torch.nn.Module.state_dict, torch.nn.Module.to, torch.Tensor.to
+    real_deepcopy = copy.deepcopy
+
+    def state_dict(self, *args, **kwargs):
+        if self is model:
+            caller = sys._getframe(1).f_code.co_filename.replace("\\", "/")
+            counts["verify copies" if caller.endswith("revtrain/core/verify.py") else "planner copies"] += 1
+        return real_state_dict(self, *args, **kwargs)
+
+    def deepcopy(obj, *args, **kwargs):
+        if obj is model:
+            counts["planner copies"] += 1
+        return real_deepcopy(obj, *args, **kwargs)
+
+    def module_to(self, *args, **kwargs):
+        if self is model:
+            counts["model moves"] += 1
+        return real_module_to(self, *args, **kwargs)
+
+    def tensor_to(self, *args, **kwargs):
+        result = real_tensor_to(self, *args, **kwargs)
+        if id(self) in batch_ids:
+            counts["batch moves"] += 1
+            batch_ids.add(id(result))
+        return result
+
+    monkeypatch.setattr(torch.nn.Module, "state_dict", state_dict)
+    monkeypatch.setattr(torch.nn.Module, "to", module_to)
+    monkeypatch.setattr(torch.Tensor, "to", tensor_to)
+    monkeypatch.setattr(copy, "deepcopy", deepcopy)
+    peak_m, peak_c = setting[2], setting[3]
+    plan = plan_for_model(model, batch, (peak_m + peak_c) // 2, device="cpu", repeats=1, warmup=1, refine=2,
+                          measure=True)
+    monkeypatch.undo()
+    assert plan.measured_peak_bytes is not None  # every stage ran: verify, profile, solve, refine, measure
+    assert counts["planner copies"] == 1, counts
+    assert counts["model moves"] == 1, counts
+    # x and y: each moved once (on the CPU a move returns the same tensor, and is still counted).
+    assert counts["batch moves"] == 2, counts
+    assert counts["verify copies"] == 1, counts  # the core's own, outside the planner
+
+
+def test_a_budget_below_the_parameters_and_batch_is_refused_before_profiling(setting, monkeypatch):
+    import revtrain.planner.pipeline as pipeline
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("profiled or verified a budget that cannot fit")
+
+    monkeypatch.setattr(pipeline, "profile_setup", must_not_run)
+    monkeypatch.setattr(pipeline, "verify_setup", must_not_run)
+    model, batch = tiny_model(), setting[1]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    with pytest.raises(BudgetTooSmallError, match="refused before profiling") as info:
+        plan_for_model(model, batch, params, device="cpu")
+    assert info.value.required_bytes > 2 * params and info.value.max_batch_size is None
+
+
+def test_a_task_loss_serves_as_the_loss(setting):
+    from revtrain.tasks import Classification
+
+    model, batch, peak_m, peak_c, profile = setting
+    budget = peak_m + (peak_c - peak_m) // 2
+    with_task = plan_for_model(model, batch, budget, loss_fn=Classification().loss, profile=profile,
+                               verify=False, refine=2)
+    assert with_task == plan_for_model(model, batch, budget, profile=profile, verify=False, refine=2)

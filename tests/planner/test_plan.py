@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import types
 
 import pytest
 from hypothesis import assume, given, settings
@@ -157,7 +156,7 @@ def test_profile_round_trips_through_json_exactly(tmp_path):
         step_time_C_s=None,
     )
     text = profile.to_json(tmp_path / "profile.json")
-    assert json.loads(text)["format"] == "revtrain.profile"
+    assert {k: v for k, v in json.loads(text).items() if k != "payload"} == {"kind": "revtrain.profile", "version": 2}
     assert Profile.from_json(tmp_path / "profile.json") == profile
     assert Profile.from_json(str(tmp_path / "profile.json")) == profile
     assert Profile.from_json(text) == profile
@@ -181,10 +180,10 @@ def test_json_errors_are_clear(tmp_path):
         Profile.from_json(plan_text)
     data = json.loads(plan_text)
     with pytest.raises(ValueError, match=r"unknown plan field\(s\) \['colour'\]"):
-        Plan.from_json(json.dumps({**data, "colour": "red"}))
+        Plan.from_json(json.dumps({**data, "payload": {**data["payload"], "colour": "red"}}))
     with pytest.raises(ValueError, match="format version 99"):
         Plan.from_json(json.dumps({**data, "version": 99}))
-    del data["budget_bytes"]
+    del data["payload"]["budget_bytes"]
     with pytest.raises(ValueError, match=r"lacks required plan field\(s\) \['budget_bytes'\]"):
         Plan.from_json(json.dumps(data))
     (tmp_path / "bad.json").write_text("{not json")
@@ -222,52 +221,59 @@ def test_make_plan_rejects_a_negative_budget():
         make_plan(toy_profile(), -1)
 
 
+def test_files_written_before_the_envelope_are_read(tmp_path):
+    # Version 1 (before the envelope): the fields at the top level next to "format".
+    plan = make_plan(toy_profile(), 2 * GiB)
+    old = {"format": "revtrain.plan", "version": 1, **json.loads(plan.to_json())["payload"]}
+    assert Plan.from_json(json.dumps(old)) == plan
+    with pytest.raises(ValueError, match="is not a revtrain plan .kind 'revtrain.sweep'"):
+        Plan.from_json(json.dumps({"kind": "revtrain.sweep", "version": 2, "payload": {}}))
+
+
 # --- apply ---------------------------------------------------------------------------------
 
 
-class _FakeCore(types.ModuleType):
-    """Stands in for revtrain.core's two functions: the block names and a record of set_modes."""
+def _model_named_like_the_toy_profile(names: list[str]):
+    """A model whose reversible blocks are called ``stages.<s>.<i>``, as ``toy_profile``'s."""
+    import torch
 
-    def __init__(self, names: list[str]) -> None:
-        super().__init__("revtrain.core")
-        self.names = names
-        self.calls: list[tuple[object, dict[str, str]]] = []
+    from revtrain.core import ReversibleBlock
 
-    def reversible_blocks(self, model):
-        return [(n, object()) for n in self.names]
-
-    def set_modes(self, model, modes):
-        self.calls.append((model, modes))
-
-
-@pytest.fixture
-def fake_core(monkeypatch):
-    def install(names):
-        core = _FakeCore(names)
-        monkeypatch.setitem(sys.modules, "revtrain.core", core)
-        return core
-
-    return install
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        _, s, i = name.split(".")
+        groups.setdefault(s, []).append(i)
+    model = torch.nn.Module()
+    model.stages = torch.nn.ModuleDict({
+        s: torch.nn.ModuleDict({i: ReversibleBlock(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)) for i in ids})
+        for s, ids in groups.items()
+    })
+    return model
 
 
-def test_apply_sets_the_planned_modes(fake_core):
+def test_apply_sets_the_planned_modes():
+    from revtrain.core import get_modes
+
     plan = make_plan(toy_profile(), 1400 * MiB + 10 * MiB)
-    core = fake_core(list(plan.modes))
-    model = object()
+    assert set(plan.modes.values()) == {"M", "C"}
+    model = _model_named_like_the_toy_profile(list(plan.modes))
     assert plan.apply(model) is model
-    assert core.calls == [(model, plan.modes)]
+    assert get_modes(model) == plan.modes
 
 
-def test_apply_to_another_model_names_the_difference(fake_core):
+def test_apply_to_another_model_names_the_difference():
+    from revtrain.core import get_modes
+
     plan = make_plan(toy_profile(), 2 * GiB)
-    core = fake_core([n for n in plan.modes if n != "stages.1.2"] + ["head.rev"])
+    model = _model_named_like_the_toy_profile([n for n in plan.modes if n != "stages.1.2"] + ["stages.9.0"])
+    before = get_modes(model)
     with pytest.raises(PlanMismatchError) as info:
-        plan.apply(object())
+        plan.apply(model)
     msg = str(info.value)
     assert "1 block(s) in the plan are not in the model: ['stages.1.2']" in msg
-    assert "1 reversible block(s) of the model are not in the plan: ['head.rev']" in msg
+    assert "1 reversible block(s) of the model are not in the plan: ['stages.9.0']" in msg
     assert "made for another model (it was made for 'revnet-toy' at batch size 64)" in msg
-    assert core.calls == []
+    assert get_modes(model) == before  # nothing changed
 
 
 def test_apply_with_the_real_core():
@@ -308,3 +314,16 @@ def test_max_batch_size_is_the_largest_that_fits_the_linear_model(m_o, fixed_fra
         assert profile.m_o_at(b) <= budget
     assert profile.m_o_at(b + 1) > budget
     assert profile.m_o_at(batch_size) == m_o
+
+
+def test_t_e_scale_turns_isolated_t_e_into_whole_step_savings_without_changing_the_choice():
+    plain = toy_profile()
+    scaled = toy_profile(t_e_scale=0.6)
+    for extra in (3 * MiB, 17 * MiB, 30 * MiB):
+        a, b = make_plan(plain, plain.m_o_bytes + extra), make_plan(scaled, scaled.m_o_bytes + extra)
+        assert a.modes == b.modes  # the knapsack's values all scale alike
+        saved = sum(blk.t_e_s for blk in plain.blocks if a.modes[blk.name] == "C")
+        assert b.predicted_step_time_s == pytest.approx(scaled.step_time_M_s - 0.6 * saved, rel=1e-12)
+    assert Profile.from_json(scaled.to_json()).t_e_scale == 0.6
+    with pytest.raises(ValueError, match="t_e_scale must be >= 0"):
+        toy_profile(t_e_scale=-0.1)

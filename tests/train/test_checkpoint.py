@@ -14,6 +14,7 @@ import revtrain.train.checkpoint as checkpoint_module
 from revtrain.models import create_model
 from revtrain.train import (
     CorruptCheckpointError,
+    DiskFullError,
     IncompatibleCheckpointError,
     Trainer,
     load_checkpoint,
@@ -53,7 +54,8 @@ def test_failed_save_leaves_previous_checkpoint_intact(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint_module.torch, "save", save_half_then_fail)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(DiskFullError, match=f"no space left on device while writing checkpoint {path}.*"
+                                            f"the previous checkpoint {path} is kept unchanged"):
         save_checkpoint({"step": 2, "weights": torch.zeros(1000)}, path)
     monkeypatch.undo()
     state = load_checkpoint(path)
@@ -119,7 +121,7 @@ def test_other_format_version_is_refused(trained: Path, tmp_path: Path) -> None:
 
 
 def test_checkpoint_of_another_model_is_refused(trained: Path, tiny_config: TinyConfig) -> None:
-    expected = "is for model 'revnet38' but this run builds 'resnet32'.*--model revnet38"
+    expected = "cannot resume .* with --model resnet32 \\(the run used 'revnet38': .*Drop --model"
     with pytest.raises(IncompatibleCheckpointError, match=expected):
         Trainer(tiny_config(model="resnet32", resume=str(trained)))
 
@@ -133,13 +135,13 @@ def test_shape_mismatch_lists_the_parameters(trained: Path) -> None:
 
 
 def test_checkpoint_from_other_batch_size_is_refused(trained: Path, tiny_config: TinyConfig) -> None:
-    with pytest.raises(IncompatibleCheckpointError, match="batch_size=16 but this loader has batch_size=32"):
+    with pytest.raises(IncompatibleCheckpointError, match="--batch-size 32 \\(the run used 16: the data order"):
         Trainer(tiny_config(batch_size=32, resume=str(trained)))
 
 
 def test_checkpoint_loads_without_running_code(trained: Path) -> None:
     state = torch.load(trained, weights_only=True)  # raises if anything but plain data is inside
-    needed = {"model", "optimizer", "scheduler", "rng", "train_loader", "step", "config", "version"}
+    needed = {"model", "optimizer", "scheduler", "rng", "train_loader", "progress", "config", "version", "sha256"}
     assert needed <= set(state)
 
 

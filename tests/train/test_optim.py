@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+
+from revtrain.layers import InPlaceABN
 from torch import nn
 
 from revtrain.models import create_model
@@ -16,7 +18,7 @@ def _names(model: nn.Module, params: list[nn.Parameter]) -> set[str]:
     return {name for name, p in model.named_parameters() if id(p) in ids}
 
 
-@pytest.mark.parametrize("name", ["revnet38", "resnet32"])
+@pytest.mark.parametrize("name", ["revnet38", "resnet32", "resnext29_iabn"])
 def test_no_weight_decay_on_norm_parameters_and_biases(name: str) -> None:
     model = create_model(name)
     optimizer = build_optimizer(model, lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
@@ -25,7 +27,8 @@ def test_no_weight_decay_on_norm_parameters_and_biases(name: str) -> None:
     decay, no_decay = _names(model, groups["decay"]["params"]), _names(model, groups["no_decay"]["params"])
     modules = dict(model.named_modules())
     owner = {n: modules[n.rpartition(".")[0]] for n, _ in model.named_parameters()}
-    expected_no_decay = {n for n, m in owner.items() if isinstance(m, nn.BatchNorm2d) or n.endswith(".bias")}
+    norms = (nn.BatchNorm2d, InPlaceABN)  # In-place ABN's scale must not decay towards 0
+    expected_no_decay = {n for n, m in owner.items() if isinstance(m, norms) or n.endswith(".bias")}
     assert expected_no_decay, "the zoo models have batch norms"
     assert no_decay == expected_no_decay
     assert decay == set(owner) - expected_no_decay  # every other parameter, each exactly once

@@ -8,8 +8,9 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
-from revtrain.train import Trainer, load_checkpoint, resolve_config
+from revtrain.train import Trainer, load_checkpoint, resolve_run
 
 from .conftest import TinyConfig, assert_same_training_state, interrupt_at, make_tiny_config
 
@@ -39,7 +40,7 @@ def test_keyboard_interrupt_mid_epoch_saves_and_resumes_exactly(
     err = capsys.readouterr().err
     assert f"checkpoint saved to {ckpt}" in err and f"revtrain train --resume {ckpt}" in err
     state = load_checkpoint(ckpt)
-    assert state["step"] == 4
+    assert state["progress"]["step"] == 4
     assert state["train_loader"]["epoch"] == 1 and state["train_loader"]["next_batch"] == 1
 
     resumed = Trainer(config.replace(resume=str(ckpt)))
@@ -60,7 +61,7 @@ def test_interrupt_after_last_step_of_epoch_evaluates_on_resume(
     with pytest.raises(KeyboardInterrupt):
         Trainer(config, callbacks=[interrupt_at(3)]).fit()
     state = load_checkpoint(Path(config.run_dir) / "checkpoint.pt")
-    assert state["pending_eval"] == 0 and state["history"] == []
+    assert state["progress"]["pending_eval"] == 0 and state["progress"]["history"] == []
     resumed = Trainer(config.replace(resume=str(Path(config.run_dir) / "checkpoint.pt")))
     resumed.fit()
     assert_same_training_state(resumed, reference)
@@ -74,7 +75,7 @@ def test_crash_resumes_from_periodic_checkpoint_and_metrics_read_as_one_run(
     with pytest.raises(RuntimeError, match="simulated"):
         Trainer(config, callbacks=[interrupt_at(5, RuntimeError)]).fit()  # last save: step 4
     ckpt = Path(config.run_dir) / "checkpoint.pt"
-    assert load_checkpoint(ckpt)["step"] == 4
+    assert load_checkpoint(ckpt)["progress"]["step"] == 4
     assert [s for s, _, _ in _steps(config.run_dir)] == [1, 2, 3, 4, 5]  # step 5 was lost
     resumed = Trainer(config.replace(resume=str(ckpt)))
     resumed.fit()
@@ -93,7 +94,7 @@ def test_sigint_stops_after_the_current_step(tiny_config: TinyConfig) -> None:
     trainer = Trainer(config, callbacks=[press_ctrl_c])
     with pytest.raises(KeyboardInterrupt):
         trainer.fit()
-    assert load_checkpoint(Path(config.run_dir) / "checkpoint.pt")["step"] == 2
+    assert load_checkpoint(Path(config.run_dir) / "checkpoint.pt")["progress"]["step"] == 2
     assert signal.getsignal(signal.SIGINT) is handler  # the trainer's handler is gone
 
 
@@ -101,10 +102,13 @@ def test_resume_takes_saved_config_and_explicit_overrides(tiny_config: TinyConfi
     config = tiny_config("extend", epochs=1, lr=0.05)
     Trainer(config).fit()
     ckpt = Path(config.run_dir) / "checkpoint.pt"
-    merged = resolve_config({"resume": str(ckpt), "epochs": 2})
+    run = resolve_run({"resume": str(ckpt), "epochs": 2})
+    merged = run.config
     assert (merged.epochs, merged.lr, merged.batch_size) == (2, 0.05, 16)
     assert merged.run_dir == config.run_dir and merged.resume == str(ckpt)
-    trainer = Trainer(merged)
+    assert run.checkpoint == ckpt and run.state is not None and run.state["progress"]["step"] == 3
+    assert any("epochs 1 -> 2" in note for note in run.notes)
+    trainer = Trainer(run)
     trainer.fit()
     assert trainer.step == 6 and [h["epoch"] for h in trainer.history] == [0, 1]
 
@@ -112,9 +116,9 @@ def test_resume_takes_saved_config_and_explicit_overrides(tiny_config: TinyConfi
 def test_resume_auto_finds_the_run_folder_checkpoint(tiny_config: TinyConfig) -> None:
     config = tiny_config("auto", epochs=1)
     Trainer(config).fit()
-    merged = resolve_config({"resume": "auto", "run_dir": config.run_dir, "epochs": 2})
-    assert merged.resume == str(Path(config.run_dir) / "checkpoint.pt")
-    assert Trainer(merged).step == 3
+    run = resolve_run({"resume": "auto", "run_dir": config.run_dir, "epochs": 2})
+    assert run.config.resume == str(Path(config.run_dir) / "checkpoint.pt")
+    assert Trainer(run).step == 3
 
 
 def test_abort_inside_a_step_keeps_the_last_checkpoint(
@@ -131,10 +135,26 @@ def test_abort_inside_a_step_keeps_the_last_checkpoint(
     with pytest.raises(KeyboardInterrupt):
         trainer.fit()
     assert "aborted inside a training step at step 4: no checkpoint written" in capsys.readouterr().err
-    assert load_checkpoint(Path(config.run_dir) / "checkpoint.pt")["step"] == 4
+    assert load_checkpoint(Path(config.run_dir) / "checkpoint.pt")["progress"]["step"] == 4
 
 
 def test_resume_accepts_the_run_folder(tiny_config: TinyConfig) -> None:
     config = tiny_config("folder", epochs=1)
     Trainer(config).fit()
     assert Trainer(config.replace(resume=config.run_dir)).step == 3
+
+
+def test_a_resume_reads_the_checkpoint_once(tiny_config: TinyConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny_config("once", epochs=1)
+    Trainer(config).fit()
+    reads: list[object] = []
+    real_load = torch.load
+
+    def counting_load(*args: object, **kwargs: object) -> object:
+        reads.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    trainer = Trainer(resolve_run({"resume": config.run_dir, "epochs": 2}))
+    trainer.fit()
+    assert reads == [Path(config.run_dir) / "checkpoint.pt"] and trainer.step == 6

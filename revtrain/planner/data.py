@@ -1,18 +1,10 @@
-"""The planner's data: what profiling measured, and the plan solved from it.
+"""The data the planner's stages exchange: a profile (stage 2's output) and a plan (stage 3's).
 
-Interpretation of the knapsack (Jiang et al. 2021, §3.2–3.3, Problem 6). Take baseline-M
-(every reversible block in M-mode) as the reference. Then
-
-* an **item** is a reversible block, and an item **chosen** is a block run in **C-mode**;
-* its **value** is ``t_e``, the time per step that C-mode saves (M-mode rebuilds the block's input
-  in backward; C-mode keeps it);
-* its **weight** is ``m``, the bytes C-mode keeps beyond M-mode;
-* the **capacity** is ``budget - m_o``, where ``m_o`` is the peak of baseline-M (parameters,
-  gradients, optimizer state, non-reversible activations, the backward's transients).
-
-So the solver maximises the time saved over baseline-M while the predicted peak
-``m_o + sum(m over C-mode blocks)`` stays within the budget, in exact bytes. The predicted step time
-is ``baseline-M step time - sum(t_e over C-mode blocks)``.
+Both are plain data that round-trip through JSON (:mod:`revtrain.planner.envelope`). The knapsack
+that turns one into the other (Jiang et al. 2021, §3.2-3.3, Problem 6) is in
+:mod:`revtrain.planner.solve`; in its terms a block is an **item**, chosen means **C-mode**, its
+**value** is ``t_e`` (seconds per step C-mode saves), its **weight** ``m`` (bytes C-mode keeps),
+and the **capacity** is ``budget - m_o``.
 
 Memory model for the batch size (§3.4): ``m_o`` is taken as linear in the batch size,
 ``m_o(b) = fixed_bytes + (m_o_bytes - fixed_bytes) * b / batch_size``; a profile that records
@@ -22,59 +14,22 @@ Memory model for the batch size (§3.4): ``m_o`` is taken as linear in the batch
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
-from revtrain.errors import RevtrainError
-from revtrain.memory import format_bytes, parse_bytes
-from revtrain.planner.knapsack import solve_knapsack
+from revtrain.memory import format_bytes
+from revtrain.planner.apply import apply_plan
+from revtrain.planner.envelope import dump_envelope, read_dataclass
 
-__all__ = [
-    "BlockProfile",
-    "BudgetTooSmallError",
-    "Plan",
-    "PlanMismatchError",
-    "Profile",
-    "make_plan",
-]
+__all__ = ["BlockProfile", "Plan", "Profile"]
 
-_FORMAT_VERSION = 1
 _MODES = ("M", "C")
-
-
-class BudgetTooSmallError(RevtrainError, ValueError):
-    """The memory budget is below the baseline-M peak: no plan can meet it."""
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        budget_bytes: int,
-        required_bytes: int,
-        batch_size: int,
-        max_batch_size: int,
-    ) -> None:
-        super().__init__(message)
-        self.budget_bytes = budget_bytes
-        """The budget that was asked for."""
-        self.required_bytes = required_bytes
-        """The smallest budget that works at this batch size (the baseline-M peak)."""
-        self.batch_size = batch_size
-        """The profiled batch size."""
-        self.max_batch_size = max_batch_size
-        """Estimated largest batch size whose baseline-M peak fits the budget (0: none does)."""
-
-
-class PlanMismatchError(RevtrainError, ValueError):
-    """A plan names blocks that the model does not have, or misses some it has."""
 
 
 @dataclass(kw_only=True)
@@ -102,6 +57,11 @@ class BlockProfile:
     m_tracker_bytes: int | None = None
     """``m`` as counted by the memory tracker (bytes the forward left live); None if not.
     ``m_bytes`` is the larger of the two when both are measured."""
+    t_e_iqr_s: float | None = None
+    """Spread of ``t_e``: the interquartile range of the per-pair differences
+    ``(t_f1 + t_b1) - (t_f2 + t_b2)`` it is the median of; None when not measured."""
+    t_e_pairs: int | None = None
+    """How many M/C pairs were timed for ``t_e`` (the stopping rule's count); None if unknown."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -112,7 +72,9 @@ class BlockProfile:
             value = getattr(self, attr)
             if value is not None:
                 setattr(self, attr, _nonneg_float(value, f"block {self.name!r}: {attr}"))
-        for attr in ("m_hooks_bytes", "m_tracker_bytes"):
+        if self.t_e_iqr_s is not None:
+            self.t_e_iqr_s = _nonneg_float(self.t_e_iqr_s, f"block {self.name!r}: t_e_iqr_s")
+        for attr in ("m_hooks_bytes", "m_tracker_bytes", "t_e_pairs"):
             value = getattr(self, attr)
             if value is not None:
                 setattr(self, attr, _nonneg_int(value, f"block {self.name!r}: {attr}"))
@@ -156,6 +118,13 @@ class Profile:
     """How the peaks were counted (``"cuda-allocator"``, ``"cpu-dispatch"``); None if unknown."""
     optimizer: str | None = None
     """Class name of the optimizer whose state is inside ``m_o_bytes``; None if unknown."""
+    t_e_scale: float | None = None
+    """What a second of ``t_e`` saves in a whole step: ``(step_time_M_s - step_time_C_s) / sum(t_e)``,
+    both whole steps measured in one interleaved run. ``t_e`` is timed per block in isolation,
+    where C-mode's kept memory costs less than in a whole step; plans predict their step time as
+    ``step_time_M_s - t_e_scale * sum(t_e over C-mode blocks)``, exact at both baselines. None
+    (baseline-C not measured, or a profile from before it was recorded): 1, the paper's model.
+    The knapsack's choices do not depend on it (all values scale alike)."""
     torch_version: str = field(default_factory=lambda: str(torch.__version__))
     """``torch.__version__`` of the profiling run."""
     timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
@@ -183,6 +152,12 @@ class Profile:
         for attr in ("peak_M_bytes", "peak_C_bytes"):
             if getattr(self, attr) is not None:
                 setattr(self, attr, _nonneg_int(getattr(self, attr), f"Profile.{attr}"))
+        if self.t_e_scale is not None:
+            self.t_e_scale = _nonneg_float(self.t_e_scale, "Profile.t_e_scale")
+
+    def saved_time_s(self, c_mode_t_e_s: float) -> float:
+        """Seconds per step that C-mode blocks whose ``t_e`` add up to ``c_mode_t_e_s`` save."""
+        return c_mode_t_e_s * (1.0 if self.t_e_scale is None else self.t_e_scale)
 
     def m_o_at(self, batch_size: int) -> int:
         """Baseline-M peak predicted at another batch size by the linear memory model.
@@ -211,13 +186,13 @@ class Profile:
         return (budget_bytes - fixed) * self.batch_size // grows
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """Serialise to JSON text; also write it to ``path`` when given."""
-        return _dump(self, "profile", path)
+        """Serialise to JSON text (kind ``revtrain.profile``); also write it to ``path`` when given."""
+        return dump_envelope("profile", dataclasses.asdict(self), path)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike[str]) -> Profile:
         """Load from a file path, or from JSON text (a ``str`` starting with ``{``)."""
-        return _load(cls, "profile", source)
+        return read_dataclass(cls, "profile", source)
 
 
 @dataclass(kw_only=True)
@@ -231,7 +206,8 @@ class Plan:
     granularity: int
     """Bytes per unit of the knapsack table (1: solved in exact bytes)."""
     predicted_step_time_s: float
-    """Baseline-M step time minus the ``t_e`` of the C-mode blocks."""
+    """Baseline-M step time minus what the C-mode blocks save: their ``t_e``, times the profile's
+    ``t_e_scale`` when it has one."""
     predicted_peak_bytes: int
     """``m_o`` plus the ``m`` of the C-mode blocks; never above ``budget_bytes`` for a solved plan."""
     model: str = ""
@@ -267,198 +243,39 @@ class Plan:
         return [name for name, mode in self.modes.items() if mode == "C"]
 
     def summary(self) -> str:
-        """One line for logs: blocks in C-mode, predicted peak against budget, predicted step time."""
-        return (
+        """One line for logs: blocks in C-mode, predicted peak against budget, predicted step
+        time, and the measured step and peak next to them once measured."""
+        line = (
             f"plan for {self.model or 'model'}: {len(self.c_mode_blocks)}/{len(self.modes)} blocks in "
             f"C-mode, predicted peak {format_bytes(self.predicted_peak_bytes)} of "
             f"{format_bytes(self.budget_bytes)} budget, predicted step {self.predicted_step_time_s:.4g} s"
         )
+        if self.measured_step_time_s is not None and self.measured_step_time_s > 0:
+            error = self.predicted_step_time_s / self.measured_step_time_s - 1
+            line += f"; measured step {self.measured_step_time_s:.4g} s (prediction {error:+.1%})"
+        if self.measured_peak_bytes is not None:
+            line += f", measured peak {format_bytes(self.measured_peak_bytes)}"
+        return line
 
     def apply(self, model: Any) -> Any:
-        """Set every reversible block of ``model`` to its planned mode; returns ``model``.
+        """Stage 4: set every reversible block of ``model`` to its planned mode; returns ``model``.
 
         Raises:
-            PlanMismatchError: if the plan's block names differ from the model's reversible blocks.
+            PlanMismatchError: the plan's block names differ from the model's reversible blocks.
         """
-        from revtrain.core import reversible_blocks, set_modes  # core imports torch; keep it lazy
-
-        names = [name for name, _ in reversible_blocks(model)]
-        in_model = set(names)
-        missing = [name for name in self.modes if name not in in_model]
-        extra = [name for name in names if name not in self.modes]
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"{len(missing)} block(s) in the plan are not in the model: {_few(missing)}")
-            if extra:
-                parts.append(
-                    f"{len(extra)} reversible block(s) of the model are not in the plan: {_few(extra)}"
-                )
-            origin = ""
-            if self.model:
-                at = f" at batch size {self.batch_size}" if self.batch_size else ""
-                origin = f" (it was made for {self.model!r}{at})"
-            raise PlanMismatchError(
-                "plan does not match the model: " + "; ".join(parts) + ". The plan was probably "
-                f"made for another model{origin}; profile and plan this model again."
-            )
-        set_modes(model, dict(self.modes))
-        return model
+        return apply_plan(self, model)
 
     def to_json(self, path: str | os.PathLike[str] | None = None) -> str:
-        """Serialise to JSON text; also write it to ``path`` when given."""
-        return _dump(self, "plan", path)
+        """Serialise to JSON text (kind ``revtrain.plan``); also write it to ``path`` when given."""
+        return dump_envelope("plan", dataclasses.asdict(self), path)
 
     @classmethod
     def from_json(cls, source: str | os.PathLike[str]) -> Plan:
         """Load from a file path, or from JSON text (a ``str`` starting with ``{``)."""
-        return _load(cls, "plan", source)
-
-
-def make_plan(
-    profile: Profile,
-    budget_bytes: int | str,
-    *,
-    granularity: int | None = None,
-    use_measured_baseline_c: bool = False,
-) -> Plan:
-    """Solve for the fastest mode per block whose predicted peak fits ``budget_bytes``.
-
-    Chooses the C-mode blocks by :func:`~revtrain.planner.solve_knapsack` with value ``t_e``,
-    weight ``m`` and capacity ``budget_bytes - m_o`` (see the module docstring).
-
-    Args:
-        profile: Measurements at one batch size.
-        budget_bytes: Memory the training step may use at its peak: bytes, or a size such as
-            ``"6GiB"`` (see :func:`revtrain.memory.parse_bytes`).
-        granularity: Passed to :func:`~revtrain.planner.solve_knapsack`; None picks it.
-        use_measured_baseline_c: When the profile's *measured* baseline-C peak
-            (``peak_C_bytes``) fits the budget, run every block that C-mode speeds up in C-mode,
-            with predicted peak ``min(m_o + sum(m), peak_C_bytes)``. ``m_o + sum(m)`` adds each
-            block's bytes as if all were live at baseline-M's peak moment, which overestimates
-            when they are not (measured: baseline-C's real peak is often well below it); the
-            measured baseline-C peak is the tighter bound, on the assumption that moving a
-            block from C-mode to M-mode never raises the peak.
-
-    Raises:
-        BudgetTooSmallError: if the budget is below the baseline-M peak ``m_o``.
-    """
-    if isinstance(budget_bytes, str):
-        budget = parse_bytes(budget_bytes)
-    else:
-        budget = _nonneg_int(budget_bytes, "budget_bytes")
-    capacity = budget - profile.m_o_bytes
-    if capacity < 0:
-        raise _budget_too_small(profile, budget)
-    measured_c = profile.peak_C_bytes
-    if use_measured_baseline_c and measured_c is not None and profile.m_o_bytes <= measured_c <= budget:
-        capacity = max(capacity, sum(b.m_bytes for b in profile.blocks))  # every useful block fits
-    else:
-        measured_c = None
-    sol = solve_knapsack(
-        [b.t_e_s for b in profile.blocks],
-        [b.m_bytes for b in profile.blocks],
-        capacity,
-        granularity=granularity,
-    )
-    chosen = set(sol.chosen)
-    peak = profile.m_o_bytes + sol.total_weight
-    if measured_c is not None:
-        peak = min(peak, measured_c)
-    return Plan(
-        modes={b.name: ("C" if i in chosen else "M") for i, b in enumerate(profile.blocks)},
-        budget_bytes=budget,
-        granularity=sol.granularity,
-        predicted_step_time_s=profile.step_time_M_s - sol.total_value,
-        predicted_peak_bytes=peak,
-        model=profile.model,
-        batch_size=profile.batch_size,
-    )
-
-
-def _budget_too_small(profile: Profile, budget: int) -> BudgetTooSmallError:
-    need = profile.m_o_bytes
-    b_max = profile.max_batch_size(budget)
-    msg = (
-        f"budget {format_bytes(budget)} is below the {format_bytes(need)} that even all-M-mode "
-        f"needs (baseline-M peak of {profile.model!r} at batch size {profile.batch_size}); raise "
-        f"the budget to at least {format_bytes(need)} ({need} bytes) or reduce the batch size"
-    )
-    if profile.fixed_bytes is None:
-        how = (
-            "assuming all of the baseline-M peak grows with the batch size; record the profile's "
-            "fixed_bytes for an estimate"
-        )
-        fits = f"the largest batch size that fits is at most {b_max}"
-    else:
-        per_sample = (profile.m_o_bytes - profile.fixed_bytes) / profile.batch_size
-        how = (
-            f"memory taken as linear in the batch size: {format_bytes(profile.fixed_bytes)} "
-            f"fixed + {format_bytes(round(per_sample))} per sample"
-        )
-        fits = f"the largest batch size that fits is about {b_max}"
-    if b_max < 1:
-        fits = "not even batch size 1 fits"
-    msg += f"; at this budget {fits} ({how})"
-    return BudgetTooSmallError(
-        msg, budget_bytes=budget, required_bytes=need, batch_size=profile.batch_size, max_batch_size=b_max
-    )
-
-
-# --- JSON ------------------------------------------------------------------------------------
-
-_T = TypeVar("_T", Profile, Plan)
-
-
-def _dump(obj: Profile | Plan, kind: str, path: str | os.PathLike[str] | None) -> str:
-    data = {"format": f"revtrain.{kind}", "version": _FORMAT_VERSION, **dataclasses.asdict(obj)}
-    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
-    if path is not None:
-        Path(path).write_text(text)
-    return text
-
-
-def _load(cls: type[_T], kind: str, source: str | os.PathLike[str]) -> _T:
-    if isinstance(source, str) and source.lstrip().startswith("{"):
-        where, text = "JSON text", source
-    else:
-        where, text = f"file {os.fspath(source)!r}", Path(source).read_text()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"cannot read a revtrain {kind} from {where}: invalid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("format") != f"revtrain.{kind}":
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise ValueError(f"{where} is not a revtrain {kind} (format {found!r}, expected 'revtrain.{kind}')")
-    version = data.pop("version", None)
-    if version != _FORMAT_VERSION:
-        raise ValueError(
-            f"{where} has {kind} format version {version!r}; this revtrain reads version "
-            f"{_FORMAT_VERSION} (upgrade revtrain, or re-run the planner)"
-        )
-    del data["format"]
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{where} has unknown {kind} field(s) {unknown}")
-    missing = sorted(f.name for f in dataclasses.fields(cls) if f.name not in data and _required(f))
-    if missing:
-        raise ValueError(f"{where} lacks required {kind} field(s) {missing}")
-    if "input_shape" in data:
-        data["input_shape"] = tuple(data["input_shape"])
-    return cls(**data)
-
-
-def _required(f: dataclasses.Field[Any]) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        return read_dataclass(cls, "plan", source)
 
 
 # --- small helpers ---------------------------------------------------------------------------
-
-
-def _few(names: list[str], k: int = 5) -> str:
-    shown = ", ".join(repr(n) for n in names[:k])
-    return f"[{shown}{', ...' if len(names) > k else ''}]"
 
 
 def _finite(x: Any, name: str) -> float:

@@ -1,0 +1,367 @@
+"""Memory and step time of the reversible Transformer LM against its plain twin and checkpointing.
+
+Two sweeps on one byte-level language model shape (``TransformerConfig``; dropout 0, so the
+attention runs PyTorch's fused CPU kernel):
+
+1. **Depth** (default 2 → 24 layers at 512 tokens): memory only. Shows that M-mode keeps one
+   output per run of blocks, whatever the depth, while the plain twin keeps every layer's
+   activations.
+2. **Sequence length** (default 256 → 2048 tokens at 4 layers): memory and step time, methods
+   interleaved round-robin in the same run:
+
+   - ``plain``: :class:`~revtrain.models.TransformerLM`, ordinary residuals (the reference);
+   - ``checkpoint``: the same plain model with ``torch.utils.checkpoint`` around each layer;
+   - ``C`` / ``M``: :class:`~revtrain.models.RevTransformerLM` with every block in C / M mode;
+   - ``M-chunked``: M-mode with the feed-forward applied in ``--chunks`` slices of the sequence;
+   - ``reformer``: reformer-pytorch's ``ReversibleSequence`` driving the very same attention and
+     feed-forward modules (an outside anchor; skipped with a note when not installed:
+     ``pip install --no-deps reformer-pytorch einops``).
+
+Both twins are built from the same seed, so they start from the same weights (the reversible
+model computes a different function, so its loss differs). Before timing, gradients are checked:
+M, M-chunked and reformer against C (same function), checkpoint against plain.
+
+Memory (``revtrain.memory.track_peak_memory``: a tensor tracker on CPU, the allocator on CUDA),
+one step per method with gradients starting as None, as after ``zero_grad()``:
+``kept`` = tensor bytes still alive after forward and loss (what is kept for backward: the
+activations), ``peak`` = the step's peak, parameter gradients included.
+
+    python benchmarks/transformer_memory.py --threads 1
+    python benchmarks/transformer_memory.py --depths 2 4 --seq-lens 128 256 --repeats 2 --out results/tmp/quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from revtrain.bench.machine import busy_machine_note, machine_info
+from revtrain.core import set_modes
+from revtrain.device import resolve_device
+from revtrain.memory import format_bytes, track_peak_memory
+from revtrain.models import RevTransformerLM, TransformerConfig, TransformerLM
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("plain", "checkpoint", "C", "M", "M-chunked", "reformer")
+REFERENCE = {"checkpoint": "plain", "M": "C", "M-chunked": "C", "reformer": "C"}
+
+
+class _Moded(nn.Module):
+    """Run a reversible model with every block in one mode (set before each forward)."""
+
+    def __init__(self, model: nn.Module, mode: str) -> None:
+        super().__init__()
+        self.model, self.mode = model, mode
+
+    def forward(self, ids: Tensor) -> Tensor:
+        set_modes(self.model, self.mode)
+        return self.model(ids)
+
+
+class _Checkpointed(nn.Module):
+    """The plain twin with ``torch.utils.checkpoint`` around every layer."""
+
+    def __init__(self, plain: TransformerLM) -> None:
+        super().__init__()
+        self.plain = plain
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.plain.embed(ids)
+        for layer in self.plain.layers:
+            h = checkpoint(layer, h, use_reentrant=False)
+        return self.plain.head(h)
+
+
+class _ReformerAnchor(nn.Module):
+    """reformer-pytorch's reversible sequence over our F (attention) and G (feed-forward)."""
+
+    def __init__(self, rev: RevTransformerLM, sequence_cls: type[nn.Module]) -> None:
+        super().__init__()
+        self.rev = rev
+        self.sequence = sequence_cls([(block.f, block.g) for block in rev.layers])
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.rev.embed(ids)
+        y1, y2 = self.sequence(torch.cat([h, h], dim=-1)).chunk(2, dim=-1)
+        return self.rev.head(0.5 * (y1 + y2))
+
+
+def _reformer_sequence() -> tuple[type[nn.Module] | None, str]:
+    try:
+        from reformer_pytorch.reversible import ReversibleSequence
+        import reformer_pytorch
+    except Exception as err:  # any import failure: the anchor is optional
+        return None, f"reformer-pytorch not available ({type(err).__name__}: {err}); anchor skipped"
+    version = getattr(reformer_pytorch, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as dist_version
+
+        version = dist_version("reformer-pytorch")
+    return ReversibleSequence, f"reformer-pytorch {version}"
+
+
+def build_methods(config: TransformerConfig, methods: list[str], chunks: int, device: torch.device,
+                  seed: int = 0) -> tuple[dict[str, nn.Module], dict[str, nn.Module]]:
+    """Each method's model, and the module whose ``named_parameters`` name its gradients."""
+    torch.manual_seed(seed)
+    rev = RevTransformerLM(config).to(device)
+    torch.manual_seed(seed)
+    plain = TransformerLM(config).to(device)
+    models: dict[str, nn.Module] = {}
+    owners: dict[str, nn.Module] = {}
+    for method in methods:
+        if method == "plain":
+            models[method], owners[method] = plain, plain
+        elif method == "checkpoint":
+            models[method], owners[method] = _Checkpointed(plain), plain
+        elif method in ("C", "M"):
+            models[method], owners[method] = _Moded(rev, method), rev
+        elif method == "M-chunked":
+            chunked = RevTransformerLM(replace(config, ff_chunks=chunks)).to(device)
+            chunked.load_state_dict(rev.state_dict())
+            models[method], owners[method] = _Moded(chunked, "M"), chunked
+        elif method == "reformer":
+            sequence_cls, _ = _reformer_sequence()
+            if sequence_cls is not None:
+                models[method], owners[method] = _ReformerAnchor(rev, sequence_cls), rev
+    for model in models.values():
+        model.train()
+    return models, owners
+
+
+def _loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _clear(models: dict[str, nn.Module]) -> None:
+    for model in models.values():
+        for p in model.parameters():
+            p.grad = None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_gradients(models, owners, x, y) -> dict[str, float]:
+    """Relative L2 distance of each method's gradients from its reference's; raise when off."""
+    grads = {}
+    for method, model in models.items():
+        _clear(models)
+        _loss(model, x, y).backward()
+        grads[method] = [p.grad.detach().double().clone() for _, p in owners[method].named_parameters()]
+    _clear(models)
+    errors = {}
+    for method, ref in REFERENCE.items():
+        if method in grads and ref in grads:
+            diff = sum(float((a - b).square().sum()) for a, b in zip(grads[method], grads[ref], strict=True))
+            norm = sum(float(b.square().sum()) for b in grads[ref])
+            errors[method] = (diff / norm) ** 0.5
+            if not errors[method] < 1e-3:
+                raise RuntimeError(f"{method} gradients differ from {ref}'s by {errors[method]:.2e}; not timing a broken path")
+    return errors
+
+
+def measure_memory(models, x, y, device) -> dict[str, tuple[int, int]]:
+    """(kept after forward, step peak) per method."""
+    out = {}
+    for method, model in models.items():
+        _clear(models)
+        gc.collect()
+        with track_peak_memory(device) as mem:
+            loss = _loss(model, x, y)
+            kept = mem.end_bytes
+            loss.backward()
+            del loss
+        out[method] = (kept, mem.peak_bytes)
+    _clear(models)
+    return out
+
+
+def time_steps(models, x, y, device, repeats: int, warmup: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Wall and CPU seconds per step, methods interleaved round-robin with a rotating start."""
+    names = list(models)
+    times = {m: ([], []) for m in names}
+    for r in range(warmup + repeats):
+        for k in range(len(names)):
+            method = names[(r + k) % len(names)]
+            _clear(models)
+            _sync(device)
+            cpu, wall = time.process_time(), time.perf_counter()
+            _loss(models[method], x, y).backward()
+            _sync(device)
+            if r >= warmup:
+                times[method][0].append(time.perf_counter() - wall)
+                times[method][1].append(time.process_time() - cpu)
+    _clear(models)
+    return times
+
+
+def _batch(config: TransformerConfig, batch: int, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, length + 1), generator=gen).to(device)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def depth_sweep(args, device, log) -> list[dict]:
+    rows = []
+    for depth in args.depths:
+        config = TransformerConfig(width=args.width, heads=args.heads, depth=depth, context=args.depth_seq_len)
+        models, owners = build_methods(config, ["plain", "checkpoint", "C", "M"], args.chunks, device)
+        x, y = _batch(config, args.batch, args.depth_seq_len, device)
+        errors = check_gradients(models, owners, x, y)
+        memory = measure_memory(models, x, y, device)
+        params = sum(p.numel() * p.element_size() for p in owners["plain"].parameters())
+        for method, (kept, peak) in memory.items():
+            rows.append(dict(depth=depth, method=method, kept_bytes=kept, peak_bytes=peak, param_bytes=params,
+                             grad_rel_err=errors.get(method)))
+        log(f"depth {depth}: " + ", ".join(f"{m} peak {format_bytes(p)}" for m, (_, p) in memory.items()))
+    return rows
+
+
+def seq_sweep(args, device, log) -> list[dict]:
+    rows = []
+    for length in args.seq_lens:
+        config = TransformerConfig(width=args.width, heads=args.heads, depth=args.seq_depth, context=length)
+        models, owners = build_methods(config, args.methods, args.chunks, device)
+        x, y = _batch(config, args.seq_batch, length, device)
+        errors = check_gradients(models, owners, x, y)
+        times = time_steps(models, x, y, device, args.repeats, args.warmup)
+        memory = measure_memory(models, x, y, device)
+        plain_wall = statistics.median(times["plain"][0])
+        plain_cpu = statistics.median(times["plain"][1])
+        for method in models:
+            wall, cpu = times[method]
+            kept, peak = memory[method]
+            rows.append(dict(
+                seq_len=length, method=method, time_median_s=statistics.median(wall), time_min_s=min(wall),
+                time_ratio=statistics.median(wall) / plain_wall, cpu_time_ratio=statistics.median(cpu) / plain_cpu,
+                kept_bytes=kept, peak_bytes=peak, peak_ratio=peak / memory["plain"][1],
+                grad_rel_err=errors.get(method), times_s=wall,
+            ))
+        log(f"T={length}: " + ", ".join(
+            f"{r['method']} {r['time_median_s'] * 1e3:.0f} ms ({r['time_ratio']:.2f}x) peak {format_bytes(r['peak_bytes'])}"
+            for r in rows if r["seq_len"] == length))
+    return rows
+
+
+def depth_table(rows: list[dict]) -> str:
+    lines = ["| depth | method | kept after forward | step peak | peak × plain | parameters | grad rel. err |",
+             "|---:|:---|---:|---:|---:|---:|---:|"]
+    plain = {r["depth"]: r["peak_bytes"] for r in rows if r["method"] == "plain"}
+    for r in rows:
+        err = "–" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.1e}"
+        lines.append(f"| {r['depth']} | {r['method']} | {format_bytes(r['kept_bytes'])} | {format_bytes(r['peak_bytes'])} "
+                     f"| {r['peak_bytes'] / plain[r['depth']]:.2f} | {format_bytes(r['param_bytes'])} | {err} |")
+    return "\n".join(lines)
+
+
+def seq_table(rows: list[dict]) -> str:
+    lines = ["| tokens | method | median ms | min ms | time × plain | CPU time × plain | kept after forward "
+             "| step peak | peak × plain | grad rel. err |", "|---:|:---|" + "---:|" * 8]
+    for r in rows:
+        err = "–" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.1e}"
+        lines.append(f"| {r['seq_len']} | {r['method']} | {r['time_median_s'] * 1e3:.0f} | {r['time_min_s'] * 1e3:.0f} "
+                     f"| {r['time_ratio']:.2f} | {r['cpu_time_ratio']:.2f} | {format_bytes(r['kept_bytes'])} "
+                     f"| {format_bytes(r['peak_bytes'])} | {r['peak_ratio']:.2f} | {err} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
+    p.add_argument("--width", type=int, default=128, help="features per stream")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16, 24], help="depth sweep: layers")
+    p.add_argument("--depth-seq-len", type=int, default=512, help="depth sweep: tokens per sequence")
+    p.add_argument("--batch", type=int, default=4, help="depth sweep: sequences per batch")
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048], help="sequence sweep: tokens")
+    p.add_argument("--seq-depth", type=int, default=4, help="sequence sweep: layers")
+    p.add_argument("--seq-batch", type=int, default=2, help="sequence sweep: sequences per batch")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="sequence sweep methods")
+    p.add_argument("--chunks", type=int, default=8, help="feed-forward chunks of the M-chunked method")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per method and length")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds before timing")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's); 1 on a busy machine")
+    p.add_argument("--out", type=Path, default=None, help="results path without suffix "
+                   "(default: results/transformer_memory_<device>)")
+    args = p.parse_args(argv)
+    if "plain" not in args.methods:
+        p.error("--methods must include plain: ratios are taken against it")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
+    if os.getpriority(os.PRIO_PROCESS, 0) != 0:
+        command = f"nice -n {os.getpriority(os.PRIO_PROCESS, 0)} {command}"
+    _, anchor_note = _reformer_sequence()
+    if "reformer" not in args.methods:
+        anchor_note = "reformer anchor not requested"
+    before = machine_info(device)
+    print(f"{device} ({before.get('gpu') or before['cpu']}), load average {before['load_average']}; {anchor_note}", flush=True)
+    start = time.perf_counter()
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    depth_rows = depth_sweep(args, device, log) if args.depths else []
+    seq_rows = seq_sweep(args, device, log) if args.seq_lens else []
+    wall = time.perf_counter() - start
+    after = machine_info(device)
+    note = busy_machine_note(before, after, "Read ratios, not absolute times; memory figures are unaffected by load.")
+    meta = {"command": command, "machine": before, "machine_after": after, "wall_s": wall, "note": note,
+            "anchor": anchor_note, "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    info = before
+    md = [
+        "# Reversible Transformer: memory and step time",
+        "",
+        f"Byte-level LM (`TransformerConfig`: width {args.width} per stream, {args.heads} heads, feed-forward 4x, "
+        f"vocabulary 256, learned positions, dropout 0, float32). Step = forward + cross-entropy + backward. "
+        "'kept after forward' = tensor bytes alive after forward and loss (what backward will use); 'step peak' = "
+        "the highest tensor bytes during the step, parameter gradients included (gradients start as None). "
+        f"Depth sweep: batch {args.batch} x {args.depth_seq_len} tokens. Sequence sweep: {args.seq_depth} layers, "
+        f"batch {args.seq_batch}, median of {args.repeats} timed steps after {args.warmup} warm-up round(s), methods "
+        f"interleaved round-robin; M-chunked = feed-forward in {args.chunks} slices. 'grad rel. err' = relative L2 "
+        "distance of all parameter gradients from the reference (M, M-chunked, reformer: C; checkpoint: plain).",
+        "",
+        f"- command: `{command}`",
+        f"- device: {info['device']} ({info.get('gpu') or info['cpu']}), torch {info['torch']}, "
+        f"{info['torch_threads']} threads, {info['cpu_count']} CPUs",
+        f"- date: {info['date']}; wall time {wall:.0f} s",
+        f"- load average (1/5/15 min) before: {info['load_average']}, after: {after['load_average']}",
+        f"- outside anchor: {anchor_note}",
+    ]
+    if note:
+        md += ["", f"**Note:** {note}"]
+    if depth_rows:
+        md += ["", "## Depth sweep (memory)", "", depth_table(depth_rows)]
+    if seq_rows:
+        md += ["", "## Sequence-length sweep (memory and time)", "", seq_table(seq_rows)]
+    text = "\n".join(md) + "\n"
+    print(text)
+    out = args.out or ROOT / "results" / f"transformer_memory_{device.type}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({**meta, "depth_rows": depth_rows, "seq_rows": seq_rows}, indent=2) + "\n")
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Stage 4 of the planner: set each reversible block to its planned mode (Jiang et al. 2021, §3.3).
+
+Nothing else about training changes: the model trains as usual afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from revtrain.core import reversible_blocks, set_modes
+from revtrain.planner.errors import PlanMismatchError
+
+if TYPE_CHECKING:
+    from revtrain.planner.data import Plan
+
+__all__ = ["apply_plan"]
+
+
+def apply_plan(plan: Plan, model: Any) -> Any:
+    """Set every reversible block of ``model`` to ``plan``'s mode for it; returns ``model``.
+
+    Raises:
+        PlanMismatchError: the plan's block names differ from the model's reversible blocks
+            (nothing is changed then).
+    """
+    names = [name for name, _ in reversible_blocks(model)]
+    in_model = set(names)
+    missing = [name for name in plan.modes if name not in in_model]
+    extra = [name for name in names if name not in plan.modes]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} block(s) in the plan are not in the model: {_few(missing)}")
+        if extra:
+            parts.append(f"{len(extra)} reversible block(s) of the model are not in the plan: {_few(extra)}")
+        origin = ""
+        if plan.model:
+            at = f" at batch size {plan.batch_size}" if plan.batch_size else ""
+            origin = f" (it was made for {plan.model!r}{at})"
+        raise PlanMismatchError(
+            "plan does not match the model: " + "; ".join(parts) + ". The plan was probably "
+            f"made for another model{origin}; profile and plan this model again."
+        )
+    set_modes(model, dict(plan.modes))
+    return model
+
+
+def _few(names: list[str], k: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:k])
+    return f"[{shown}{', ...' if len(names) > k else ''}]"

@@ -1,0 +1,91 @@
+"""Fit a registered model and its task to a dataset: the model's input spec, overrides, the task.
+
+The registry says what a model eats in its paper's configuration (its
+:class:`~revtrain.models.inputs.InputSpec`); a dataset may differ (1x8x8 digits for a CIFAR
+RevNet, another vocabulary). :func:`fit_model_to_data` replaces the spec's sample shape and
+classes by the dataset's, derives the :func:`~revtrain.models.create_model` overrides from it,
+and picks the task that trains on it. Nothing here looks at channels or argmax: the spec's kind
+decides, through one table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from revtrain.data import DatasetInfo
+from revtrain.models import input_spec
+from revtrain.models.inputs import InputKind, InputSpec
+from revtrain.tasks import Task, get_task, task_for
+from revtrain.train.config import ConfigError
+
+__all__ = ["ModelFit", "fit_model_to_data", "text_window", "MODEL_OVERRIDES"]
+
+MODEL_OVERRIDES: dict[InputKind, Callable[[InputSpec], dict[str, Any]]] = {
+    "image": lambda spec: {"num_classes": spec.num_classes, "in_channels": spec.shape[0]},
+    "tokens": lambda spec: {"vocab_size": spec.vocab_size, "context": spec.shape[0]},
+}
+"""The ``create_model`` keyword arguments that fit a model of each input kind to a dataset's spec."""
+
+
+@dataclass(frozen=True)
+class ModelFit:
+    """How to build a model for a dataset, and what it learns there."""
+
+    spec: InputSpec
+    """The model's input as this dataset gives it."""
+    overrides: dict[str, Any]
+    """Keyword arguments of ``create_model``."""
+    task: Task
+    """The loss and metrics it trains with."""
+
+
+def fit_model_to_data(model: str, task: str | None, info: DatasetInfo, sample_input: Tensor) -> ModelFit:
+    """The spec, ``create_model`` overrides and task of ``model`` trained on a dataset.
+
+    Args:
+        model: Registered model name.
+        task: Registered task name, or None for the task that fits the model's inputs.
+        info: The dataset's description (sample shape, classes or vocabulary).
+        sample_input: One batch of the dataset's inputs: its dtype tells images (float) from
+            token ids (integers), as :class:`InputSpec` defines them.
+
+    Raises:
+        ConfigError: the dataset gives another kind of input than the model takes, or the task
+            trains on another kind.
+    """
+    spec = input_spec(model)
+    data_kind = "image" if sample_input.dtype.is_floating_point else "tokens"
+    if data_kind != spec.kind:
+        raise ConfigError(
+            f"model {model} takes {spec.kind} inputs but dataset {info.name} gives {data_kind} "
+            f"({sample_input.dtype}); pick a model and a dataset of the same kind (`revtrain models`)"
+        )
+    spec = spec.with_changes(shape=tuple(info.input_shape), num_classes=info.num_classes)
+    try:
+        chosen = get_task(task) if task is not None else task_for(spec)
+    except ValueError as err:
+        raise ConfigError(f"--task {task}: {err}") from None
+    if chosen.input_kind != spec.kind:
+        raise ConfigError(f"--task {chosen.name} trains on {chosen.input_kind} inputs and model {model} takes "
+                          f"{spec.kind} inputs; drop --task to use the model's own task")
+    return ModelFit(spec=spec, overrides=MODEL_OVERRIDES[spec.kind](spec), task=chosen)
+
+
+def text_window(config: Any) -> dict[str, int]:
+    """The ``build_dataloaders`` window option of a token model: ``--context``, or the model's own
+    context (a language model cannot read windows longer than its positions). Empty for images."""
+    spec = input_spec(config.model)
+    if spec.kind != "tokens":
+        if config.context is not None:
+            raise ConfigError(f"--context applies to token models and {config.model} takes {spec.kind} inputs; "
+                              "drop --context")
+        return {}
+    context = config.context if config.context is not None else spec.shape[0]
+    if context > spec.shape[0]:
+        raise ConfigError(f"--context {context} is longer than {config.model}'s context of {spec.shape[0]} "
+                          f"tokens; use --context {spec.shape[0]} or less")
+    return {"context": context}

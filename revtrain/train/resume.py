@@ -1,0 +1,245 @@
+"""Resolve a run once, at the door: which folder, which checkpoint, which settings.
+
+:func:`resolve_run` turns the options of ``revtrain train`` (or a complete
+:class:`TrainConfig`) into a :class:`ResolvedRun`: the config the run really uses, its folder,
+and, when resuming, the checkpoint path and its content, read once. The :class:`Trainer`
+takes it from there and reads nothing again.
+
+Rules, so that no run is lost or silently changed:
+
+- Without ``--resume``, a folder that already holds a run (a checkpoint) is refused.
+- ``--resume auto`` resumes the latest *run* of the model and dataset (or the one in
+  ``--run-dir``); when that run has no checkpoint, it says so and starts a new run.
+- Options given with ``--resume`` that would change what the run trains on (model, task,
+  dataset, image size, augmentation, batch size, seed) are refused, and so are ``--epochs``
+  below the epochs already started and ``--max-steps-per-epoch`` below the steps already taken
+  in the current epoch. Every other option given is applied deliberately and said so (a new
+  learning rate, more epochs, another memory strategy, another device), and ``config.json``
+  records what the run uses from then on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from revtrain.train.checkpoint import (
+    CHECKPOINT_NAME,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    load_checkpoint,
+)
+from revtrain.train.config import ConfigError, TrainConfig
+from revtrain.train.runs import RUNS_ROOT, RunExistsError, find_latest_run, holds_run, new_run_dir
+
+__all__ = ["ResolvedRun", "ResumeConflictError", "resolve_run"]
+
+
+class ResumeConflictError(IncompatibleCheckpointError):
+    """An option given with ``--resume`` contradicts the run being resumed."""
+
+
+_FIXED_REASONS = {
+    "model": "the checkpoint's weights belong to that model",
+    "task": "the run's loss and metrics are that task's",
+    "dataset": "changing it mid-run would change the data the run trains on",
+    "image_size": "changing it mid-run would change the data the run trains on",
+    "augment": "changing it mid-run would change the data the run trains on",
+    "batch_size": "the data order and the schedule's position are counted in batches of that size",
+    "seed": "the data order and augmentation of the rest of the run come from that seed",
+    "optimizer": "the checkpoint holds that optimizer's state",
+    "context": "changing it mid-run would change the data the run trains on",
+}
+"""Options a resumed run cannot change, and why."""
+
+_NONE_MEANS_DEFAULT = ("task", "image_size", "augment", "eval_batch_size", "data_dir", "run_dir", "context")
+"""Options whose None means "the default": None given with a complete config is not a change."""
+
+_STRATEGY = ("mode", "budget", "plan")
+
+_ANNOUNCED = ("epochs", "max_steps_per_epoch", "lr", "momentum", "nesterov", "weight_decay", "warmup_epochs",
+              "schedule", "milestones", "gamma", "divergence_factor", "mode", "budget", "plan", "device",
+              "amp", "eval_batch_size", "grad_clip")
+"""Options whose change on resume is said out loud (the others only change outputs)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedRun:
+    """A run ready to be built: what :class:`~revtrain.train.Trainer` takes."""
+
+    config: TrainConfig
+    """The settings the run uses (``run_dir`` set; ``resume`` the checkpoint path, or None)."""
+    run_dir: Path
+    """The folder the run writes to."""
+    checkpoint: Path | None = None
+    """The checkpoint resumed from, or None for a new run."""
+    state: dict[str, Any] | None = None
+    """The checkpoint's content (read once, checked), or None for a new run."""
+    strategy_changed: bool = False
+    """Resuming with another memory strategy (``--mode``/``--budget``/``--plan``): apply it
+    instead of restoring the checkpoint's block modes."""
+    notes: tuple[str, ...] = ()
+    """What the user should be told (which run ``auto`` picked, which options were applied)."""
+
+
+def resolve_run(options: Mapping[str, Any] | TrainConfig) -> ResolvedRun:
+    """Resolve the run that ``options`` ask for.
+
+    Args:
+        options: The options given on the command line (absent ones take the defaults, or the
+            resumed run's settings), or a complete :class:`TrainConfig` (every field counts as
+            given, except a None that means "default").
+
+    Raises:
+        ConfigError: an option is invalid.
+        RunExistsError: the folder holds another run and ``resume`` does not point at it.
+        ResumeConflictError: an option contradicts the run being resumed.
+        CheckpointError: the checkpoint cannot be read (missing, corrupt, non-finite).
+    """
+    if isinstance(options, TrainConfig):
+        given = {k: v for k, v in options.to_dict().items() if v is not None or k not in _NONE_MEANS_DEFAULT}
+        complete = True
+    else:
+        given, complete = dict(options), False
+    resume = given.get("resume")
+    notes: list[str] = []
+    if resume == "auto":
+        resume = _auto_checkpoint(given, notes)
+    if resume is None:
+        return _new_run({**given, "resume": None}, notes)
+    path = Path(resume)
+    if path.is_dir():
+        if not holds_run(path):
+            raise CorruptCheckpointError(
+                f"--resume {path}: the folder holds no {CHECKPOINT_NAME} (its run stopped before its first "
+                "checkpoint, or it is not a run folder); start a new run without --resume"
+            )
+        path = path / CHECKPOINT_NAME
+    return _resumed_run(given, path, complete, notes)
+
+
+def _new_run(given: dict[str, Any], notes: list[str]) -> ResolvedRun:
+    config = TrainConfig.from_dict(given)
+    run_dir = Path(config.run_dir) if config.run_dir else new_run_dir(config.model, config.dataset)
+    if holds_run(run_dir):
+        raise RunExistsError(
+            f"--run-dir {run_dir} already holds a run ({run_dir / CHECKPOINT_NAME}); nothing was changed. "
+            f"Pass --resume {run_dir} to continue it, or choose another --run-dir for a new run"
+        )
+    if run_dir.is_dir() and any((run_dir / name).exists() for name in ("config.json", "metrics.jsonl")):
+        notes.append(f"note: {run_dir} held a run that never saved a checkpoint; starting a new run in it")
+    return ResolvedRun(config=config.replace(run_dir=str(run_dir)), run_dir=run_dir, notes=tuple(notes))
+
+
+def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
+    """The checkpoint ``--resume auto`` means, or None (with a note saying why) for a new run."""
+    defaults = TrainConfig()
+    model, dataset = given.get("model", defaults.model), given.get("dataset", defaults.dataset)
+    if given.get("run_dir"):
+        folder = Path(given["run_dir"])
+        if holds_run(folder):
+            notes.append(f"--resume auto: resuming the run in {folder}")
+            return str(folder / CHECKPOINT_NAME)
+        notes.append(f"--resume auto: {folder} holds no checkpoint; starting a new run there")
+        return None
+    latest = find_latest_run(model, dataset)
+    if latest is None:
+        notes.append(f"--resume auto: no run of {model} on {dataset} under {RUNS_ROOT}/; starting a new run")
+        return None
+    if not holds_run(latest):
+        notes.append(f"--resume auto: the latest run of {model} on {dataset}, {latest}, stopped before its "
+                     "first checkpoint, so there is nothing to resume; starting a new run (pass --resume "
+                     "<folder> to continue an older run)")
+        return None
+    notes.append(f"--resume auto: resuming {latest}, the latest run of {model} on {dataset}")
+    return str(latest / CHECKPOINT_NAME)
+
+
+def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[str]) -> ResolvedRun:
+    state = load_checkpoint(path)
+    try:
+        saved = TrainConfig.from_dict(state["config"]).to_dict()
+    except (ConfigError, KeyError, TypeError) as err:
+        raise IncompatibleCheckpointError(f"checkpoint {path} holds a config this revtrain cannot use: {err}") from None
+    _refuse_fixed_changes(given, saved, state, path)
+    merged = {**saved, **{k: v for k, v in given.items() if k not in ("resume", "run_dir")}}
+    if not complete and any(name in given for name in _STRATEGY):  # a strategy given replaces the saved one
+        merged.update(budget=given.get("budget"), plan=given.get("plan"))
+    run_dir = Path(given["run_dir"]) if given.get("run_dir") else path.parent
+    merged.update(run_dir=str(run_dir), resume=str(path))
+    config = TrainConfig.from_dict(merged)
+    if run_dir.resolve() != path.parent.resolve() and holds_run(run_dir):
+        raise RunExistsError(
+            f"--run-dir {run_dir} already holds another run; resuming {path} there would overwrite it. "
+            f"Choose an empty --run-dir, or drop --run-dir to continue in {path.parent}"
+        )
+    _refuse_shrinking(config, state, path)
+    notes += _announce_changes(saved, config.to_dict(), state)
+    progress, loader = state.get("progress", {}), state["train_loader"]
+    if loader["epoch"] >= config.epochs and progress.get("pending_eval") is None:
+        notes.append(f"resume: {path} has already trained its {config.epochs} epoch(s); nothing to train "
+                     f"(pass --epochs {config.epochs + 1} or more to continue it)")
+    strategy_changed = any(saved[k] != getattr(config, k) for k in _STRATEGY)
+    return ResolvedRun(config=config, run_dir=run_dir, checkpoint=path, state=state,
+                       strategy_changed=strategy_changed, notes=tuple(notes))
+
+
+def _refuse_fixed_changes(given: Mapping[str, Any], saved: Mapping[str, Any], state: Mapping[str, Any],
+                          path: Path) -> None:
+    was = {**saved, "task": state.get("task", saved.get("task"))}
+    conflicts = [
+        (name, given[name]) for name in _FIXED_REASONS
+        if given.get(name) is not None and given[name] != was.get(name)
+        and not (name == "task" and was.get(name) is None)
+    ]
+    if conflicts:
+        lines = "; ".join(f"--{_flag(name)} {value} (the run used {was.get(name)!r}: {_FIXED_REASONS[name]})"
+                          for name, value in conflicts)
+        drop = " ".join(f"--{_flag(name)}" for name, _ in conflicts)
+        raise ResumeConflictError(
+            f"cannot resume {path} with {lines}. Drop {drop} to continue that run, or start a new run "
+            "without --resume"
+        )
+
+
+def _refuse_shrinking(config: TrainConfig, state: Mapping[str, Any], path: Path) -> None:
+    loader = state["train_loader"]
+    epoch, next_batch = int(loader["epoch"]), int(loader["next_batch"])
+    started = epoch + (1 if next_batch > 0 else 0)
+    if config.epochs < started:
+        raise ResumeConflictError(
+            f"--epochs {config.epochs} is below the {started} epoch(s) that {path} has already started; "
+            f"pass --epochs {started} or more (or drop --epochs)"
+        )
+    if config.max_steps_per_epoch is not None and next_batch > config.max_steps_per_epoch:
+        raise ResumeConflictError(
+            f"--max-steps-per-epoch {config.max_steps_per_epoch} is below the {next_batch} steps that {path} "
+            f"has already taken in epoch {epoch + 1}; pass --max-steps-per-epoch {next_batch} or more "
+            "(or drop it)"
+        )
+
+
+def _announce_changes(saved: Mapping[str, Any], new: Mapping[str, Any], state: Mapping[str, Any]) -> list[str]:
+    changed = [name for name in _ANNOUNCED if saved.get(name) != new.get(name)]
+    if not changed:
+        return []
+    what = ", ".join(f"{name} {_show(saved.get(name))} -> {_show(new.get(name))}" for name in changed)
+    notes = [f"resume: applying the options given: {what}"]
+    schedule = {"epochs", "max_steps_per_epoch", "lr", "warmup_epochs", "schedule", "milestones", "gamma"}
+    if schedule & set(changed):
+        step = state.get("progress", {}).get("step", "?")
+        notes.append(f"resume: the learning-rate schedule is recomputed for these settings and continues from step {step}")
+    return notes
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
+

@@ -1,0 +1,223 @@
+"""The rebuild check sees an error in any direction, never divides by a zero half, and blames
+the right step when values are not finite."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from revtrain.core import ReversibleBlock, ReversibleSequence
+from revtrain.core.checks import RebuildCheck, _as_slabs, check_rebuilds, fingerprint, layout_of
+from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
+
+from .helpers import conv_fn, make_stack
+
+
+def _strict(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, ReversibleBlock):
+            m.drift_action = "raise"
+    return model
+
+
+# -- zero halves: no false alarm -------------------------------------------------------------
+
+
+def _zero(x: torch.Tensor, which: str) -> torch.Tensor:
+    x = x.clone()
+    half = x.shape[1] // 2
+    if which == "x1":
+        x[:, :half] = 0
+    elif which == "x2":
+        x[:, half:] = 0
+    elif which == "all":
+        x.zero_()
+    elif which == "padding":  # i-RevNet pads the input with zero channels
+        x[:, half - 1 : half + 1] = 0
+    return x
+
+
+def _tanh_stack(depth: int, coupling: str) -> ReversibleSequence:
+    mult = 2 if coupling == "affine" else 1
+    return ReversibleSequence(
+        [
+            ReversibleBlock(
+                nn.Sequential(nn.Conv2d(4, 4 * mult, 3, padding=1), nn.Tanh()),
+                nn.Sequential(nn.Conv2d(4, 4 * mult, 3, padding=1), nn.Tanh()),
+                coupling=coupling,
+            )
+            for _ in range(depth)
+        ]
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("coupling", ["additive", "affine"])
+@pytest.mark.parametrize("which", ["x1", "x2", "all", "padding"])
+def test_zero_halves_raise_no_false_alarm(which, coupling, dtype):
+    torch.manual_seed(0)
+    # float64: F and G with batch norm. float32: without, because batch norm of an all-zero
+    # half divides the rebuild's rounding (1e-7) by sqrt(eps) and really does move the other
+    # half by ~1e-3 (measured): a true report, not the false alarm tested here.
+    model = make_stack(8, coupling) if dtype == torch.float64 else _tanh_stack(8, coupling)
+    model = _strict(model.to(dtype))
+    x = _zero(torch.randn(3, 8, 5, 5, dtype=dtype), which).requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReconstructionDriftWarning)
+        model(x).square().sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+class Momentum(nn.Module):
+    """MomentumNet-style velocity update on a stream that starts at zero: v' = v + f(x)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_zero_stream_through_a_deep_stack_in_float32():
+    torch.manual_seed(0)
+    seq = _strict(ReversibleSequence([ReversibleBlock(Momentum(16), Momentum(16)) for _ in range(32)]))
+    x = torch.randn(8, 16)
+    v = torch.zeros(8, 16)  # the velocity stream starts at zero
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReconstructionDriftWarning)
+        y1, y2 = seq((v, x.requires_grad_(True)))
+        (y1.square().sum() + y2.sum()).backward()
+
+
+# -- errors in any direction are reported ----------------------------------------------------
+
+
+class Replayed(nn.Module):
+    """F whose second call (the rebuild) returns a perturbed value: an F that is not a pure
+    function. ``kind`` picks the direction of the perturbation, ``size`` its norm relative to
+    the output's."""
+
+    def __init__(self, inner: nn.Module, kind: str, size: float) -> None:
+        super().__init__()
+        self.inner, self.kind, self.size = inner, kind, size
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.inner(x)
+        if self.calls % 2 == 1 or self.size == 0:
+            return h
+        g = torch.Generator().manual_seed(7)
+        if self.kind == "random":
+            e = torch.randn(h.shape, generator=g, dtype=h.dtype)
+        elif self.kind == "one sample":
+            e = torch.zeros_like(h)
+            e[0] = torch.randn(h[0].shape, generator=g, dtype=h.dtype)
+        elif self.kind == "one entry":
+            e = torch.zeros_like(h).flatten()
+            e[17] = 1.0
+            e = e.view_as(h)
+        else:  # the same offset per channel everywhere
+            e = torch.randn(1, h.shape[1], *([1] * (h.dim() - 2)), generator=g, dtype=h.dtype).expand_as(h)
+        return h + self.size * h.norm() * e / e.norm()
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("kind", ["random", "one sample", "one entry", "channel offset"])
+def test_a_one_percent_rebuild_error_is_reported_whatever_its_direction(kind, seed):
+    torch.manual_seed(seed)
+    block = _strict(ReversibleBlock(Replayed(conv_fn(4), kind, 0.01), conv_fn(4)))
+    with pytest.raises(ReconstructionError, match="drifted"):
+        block(torch.randn(4, 8, 5, 5, requires_grad=True)).square().sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["random", "rotation"])
+def test_the_norm_alone_would_miss_it(kind):
+    """A 1% error that keeps the norm (a rotation), or moves it by ~1e-4 only (a random
+    error): invisible to a norm check at tolerance 1e-3, plain to a projection."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, 5, 5, dtype=torch.float64)
+    w = torch.randn_like(x)
+    if kind == "rotation":  # turn x by 0.01 rad towards a direction orthogonal to it
+        w = w - (w * x).sum() / x.square().sum() * x
+        rebuilt = x * torch.cos(torch.tensor(0.01)) + w * (x.norm() / w.norm()) * torch.sin(torch.tensor(0.01))
+    else:
+        rebuilt = x + 0.01 * x.norm() * w / w.norm()
+    assert abs(rebuilt.norm() - x.norm()) / x.norm() < 1e-3
+    block = ReversibleBlock(nn.Identity(), nn.Identity(), drift_action="raise")
+    ones = torch.ones(1, dtype=torch.float64)
+    layout = layout_of([x])
+    check = RebuildCheck(block, "a test block", fingerprint([x], layout), fingerprint([rebuilt], layout), ones)
+    with pytest.raises(ReconstructionError, match="drifted"):
+        check_rebuilds([check])
+
+
+def test_no_alarm_without_error():
+    torch.manual_seed(0)
+    block = _strict(ReversibleBlock(Replayed(conv_fn(4), "random", 0.0), conv_fn(4)))
+    block(torch.randn(4, 8, 5, 5, requires_grad=True)).square().sum().backward()
+
+
+@pytest.mark.parametrize("shape,dim", [((4, 16, 6, 6), 1), ((3, 7, 10), -1), ((5, 12), 1)])
+def test_fingerprint_reads_views_without_copies_and_leaves_generators_alone(shape, dim):
+    x = torch.randn(shape)
+    x1, x2 = x.chunk(2, dim=dim)
+    layout = layout_of((x1, x2))
+    for half, k in zip((x1, x2), layout):
+        assert _as_slabs(half, k).data_ptr() == half.data_ptr()  # a view of the half, not a copy
+    rng = torch.get_rng_state()
+    prints = fingerprint((x1, x2), layout)
+    assert torch.equal(rng, torch.get_rng_state())
+    # A contiguous copy (what a rebuild returns) fingerprinted with the original's layout gives
+    # the same numbers, up to float32 products summed in another order.
+    copies = (x1.contiguous(), x2.contiguous())
+    torch.testing.assert_close(prints, fingerprint(copies, layout), rtol=1e-5, atol=1e-5)
+
+
+# -- non-finite values: the right culprit ----------------------------------------------------
+
+
+class NaNAfter(nn.Module):
+    """Returns NaN in every entry of sample 0 (a log of a negative number, say)."""
+
+    def forward(self, x):
+        h = torch.tanh(x)
+        return torch.cat([h[:1] * float("nan"), h[1:]])
+
+
+@pytest.mark.parametrize("culprit", ["F", "G"])
+def test_nan_from_the_forward_is_blamed_on_the_forward(culprit):
+    f, g = (NaNAfter(), nn.Tanh()) if culprit == "F" else (nn.Tanh(), NaNAfter())
+    block = ReversibleBlock(f, g)
+    y = block(torch.randn(3, 8, requires_grad=True))
+    with pytest.raises(ReconstructionError, match=rf"forward pass.*{culprit} returned NaN.*inverse is not at fault"):
+        y.sum().backward()
+
+
+def test_nan_from_the_forward_inside_a_run_names_the_block():
+    layers = [ReversibleBlock(nn.Tanh(), nn.Tanh()) for _ in range(3)]
+    layers[1] = ReversibleBlock(NaNAfter(), nn.Tanh())
+    seq = ReversibleSequence(layers)
+    with pytest.raises(ReconstructionError, match=r"forward pass of block 1 of a run of 3.*F returned"):
+        seq(torch.randn(3, 8, requires_grad=True)).sum().backward()
+
+
+@pytest.mark.parametrize("split_dim,shape", [(-1, (4, 7, 16)), (1, (4, 8, 5, 5)), (2, (3, 4, 6, 5))])
+def test_rebuilt_contiguous_halves_compare_with_strided_originals(split_dim, shape):
+    """The forward sees views split off the input, the rebuild returns fresh tensors: the
+    check must compare them as the same values whatever the split dimension."""
+    torch.manual_seed(0)
+    half = shape[split_dim] // 2
+    width = shape[-1] if split_dim != -1 else half
+
+    def fn():
+        return nn.Sequential(nn.Linear(width, width), nn.Tanh())
+
+    seq = _strict(ReversibleSequence([ReversibleBlock(fn(), fn(), split_dim=split_dim) for _ in range(3)]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReconstructionDriftWarning)
+        seq(torch.randn(shape, requires_grad=True)).square().sum().backward()
