@@ -69,6 +69,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "model": f" Choices: {', '.join(list_models())}.",
         "task": f" Choices: {', '.join(list_tasks())}.",
     })
+    from revtrain.parallel.command import add_parallel_options
+
+    add_parallel_options(train)  # --stages (PETRA), --data-parallel (DDP), --shard (FSDP2)
     train.set_defaults(run=_run_train)
 
     from revtrain.train.sample import SampleConfig
@@ -95,8 +98,12 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from revtrain.parallel.command import run_parallel
     from revtrain.train import TrainConfig, Trainer, TrainingInterrupted, resolve_run
 
+    status = run_parallel(args)  # None: no option asked for several processes
+    if status is not None:
+        return status
     trainer = Trainer(resolve_run(_given(args, TrainConfig)))
     try:
         trainer.fit()

@@ -37,8 +37,9 @@ from revtrain.parallel.distributed import check_backend
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
 from revtrain.parallel.options import RunOptions, parse_split
 from revtrain.parallel.partition import split_model
+from revtrain.parallel.worker import plan_segments
 
-__all__ = ["launch", "free_port", "check_port", "ERROR_FILE_ENV"]
+__all__ = ["launch", "start_workers", "watch", "free_port", "check_port", "ERROR_FILE_ENV"]
 
 ERROR_FILE_ENV = "REVTRAIN_ERROR_FILE"
 """Environment variable naming the file a worker writes its error to before exiting."""
@@ -87,7 +88,7 @@ def launch(options: RunOptions, petra: PetraConfig, *, log: Callable[[str], None
     check_backend(options.backend, device)
     if options.port:
         check_port(options.port)
-    split = _checked_split(options, device)
+    split = _checked_split(options, petra, device)
     run_dir = Path(options.run_dir) if options.run_dir else default_run_dir(options)
     run_dir.mkdir(parents=True, exist_ok=True)
     port = options.port or free_port()
@@ -96,22 +97,14 @@ def launch(options: RunOptions, petra: PetraConfig, *, log: Callable[[str], None
     config = run_dir / "launch.json"
     config.write_text(json.dumps({"options": worker_options.to_dict(), "petra": vars(petra)}, indent=2))
     errors = run_dir / "errors"
-    errors.mkdir(exist_ok=True)
-    for old in errors.glob("rank*.txt"):
-        old.unlink()
-    procs = []
-    for rank in range(options.stages):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(options.stages), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(options.stages),
-                   OMP_NUM_THREADS=str(options.threads), **{ERROR_FILE_ENV: str(errors / f"rank{rank}.txt")})
-        procs.append(subprocess.Popen([sys.executable, "-m", "revtrain.parallel", "--worker-config", str(config)],
-                                      env=env, stdout=worker_output, stderr=worker_output))
-    _watch(procs, errors)
+    procs = start_workers(["-m", "revtrain.parallel", "--worker-config", str(config)], options.stages,
+                          port=port, threads=options.threads, errors=errors, output=worker_output)
+    watch(procs, errors)
     summary_path = run_dir / "summary.json"
     return json.loads(summary_path.read_text()) if summary_path.exists() else {"run_dir": str(run_dir)}
 
 
-def _checked_split(options: RunOptions, device: torch.device) -> list[int] | list[str] | None:
+def _checked_split(options: RunOptions, petra: PetraConfig, device: torch.device) -> list[int] | list[str] | None:
     """Validate the split on the real model (a clear error before any process starts); measure a balanced one."""
     from revtrain.data import build_dataloaders
     from revtrain.models import create_model
@@ -123,19 +116,44 @@ def _checked_split(options: RunOptions, device: torch.device) -> list[int] | lis
     dtype = torch.float64 if options.dtype == "float64" else torch.float32
     torch.manual_seed(options.seed)
     model = create_model(options.model, in_channels=info.in_channels, num_classes=info.num_classes).to(device, dtype)
-    if split is not None or options.balance == "count" or options.stages == 1:
-        split_model(model, options.stages, split)
-        return split
-    threads = torch.get_num_threads()
-    torch.set_num_threads(options.threads)  # time units as the workers will run them
-    try:
-        x, _ = next(iter(train_loader))
-        return measured_split(model, options.stages, x.to(device, dtype))
-    finally:
-        torch.set_num_threads(threads)
+    if split is None and options.balance == "time" and options.stages > 1:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(options.threads)  # time units as the workers will run them
+        try:
+            x, _ = next(iter(train_loader))
+            split = measured_split(model, options.stages, x.to(device, dtype))
+        finally:
+            torch.set_num_threads(threads)
+    for stage in split_model(model, options.stages, split)[:-1]:
+        plan_segments(stage, petra.input_buffer)  # refuses input_buffer="none" on a non-reversible stage
+    return split
 
 
-def _watch(procs: list[subprocess.Popen], errors: Path) -> None:
+def start_workers(argv: list[str], world: int, *, port: int, threads: int, errors: Path,
+                  output: Any = None) -> list[subprocess.Popen]:
+    """Start ``world`` local ``python <argv>`` processes with the ``env://`` rendezvous variables
+    torchrun would set, ``OMP_NUM_THREADS=threads``, and each its own error file in ``errors``."""
+    errors.mkdir(parents=True, exist_ok=True)
+    for old in errors.glob("rank*.txt"):
+        old.unlink()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                   OMP_NUM_THREADS=str(threads), **{ERROR_FILE_ENV: str(errors / f"rank{rank}.txt")})
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=output, stderr=output))
+    return procs
+
+
+def watch(procs: list[subprocess.Popen], errors: Path, *, role: str = "stage", run: str = "PETRA run") -> None:
+    """Wait for every process; when one fails, stop the others and raise ``StageFailedError``.
+
+    Args:
+        procs: The processes, by rank.
+        errors: The folder of their error files (``rank<r>.txt``).
+        role: What a rank is called in the message ("stage", "rank").
+        run: What was stopped ("PETRA run", "data-parallel run").
+    """
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -153,7 +171,7 @@ def _watch(procs: list[subprocess.Popen], errors: Path) -> None:
         _stop(procs)
         raise
     stopped = _stop(procs)
-    raise StageFailedError(_failure_message(procs, first, stopped, errors))
+    raise StageFailedError(_failure_message(procs, first, stopped, errors, role, run))
 
 
 def _first_failure(procs: list[subprocess.Popen], failed: list[int]) -> int:
@@ -188,14 +206,16 @@ def _how(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _failure_message(procs: list[subprocess.Popen], first: int, stopped: list[int], errors: Path) -> str:
-    lines = [f"stage {first} (rank {first}, pid {procs[first].pid}) {_how(procs[first].returncode)}; the "
-             "PETRA run was stopped"]
+def _failure_message(procs: list[subprocess.Popen], first: int, stopped: list[int], errors: Path,
+                     role: str = "stage", run: str = "PETRA run") -> str:
+    who = (lambda r: f"stage {r} (rank {r}") if role == "stage" else (lambda r: f"rank {r} (")
+    lines = [f"{who(first)}{', ' if role == 'stage' else ''}pid {procs[first].pid}) "
+             f"{_how(procs[first].returncode)}; the {run} was stopped"]
     for r, p in enumerate(procs):
         note = (errors / f"rank{r}.txt").read_text().strip() if (errors / f"rank{r}.txt").exists() else ""
         if r == first or p.returncode not in (0, None) and r not in stopped:
             state = _how(p.returncode) if r != first else "failed first"
-            lines.append(f"  stage {r}: {state}" + (f": {note.splitlines()[-1]}" if note else ""))
+            lines.append(f"  {role} {r}: {state}" + (f": {note.splitlines()[-1]}" if note else ""))
         elif r in stopped:
-            lines.append(f"  stage {r}: stopped by the launcher")
+            lines.append(f"  {role} {r}: stopped by the launcher")
     return "\n".join(lines)
