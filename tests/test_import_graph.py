@@ -107,3 +107,35 @@ def test_the_import_graph_has_no_circle():
 
 def test_the_checker_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The floors of docs/architecture.md: a room may import from its own room and from lower floors.
+FLOORS = {
+    "errors": 1, "device": 1, "timing": 1, "memory": 1, "_version": 1,
+    "core": 2, "data": 2,
+    "layers": 3, "compilation": 3,
+    "models": 4,
+    "tasks": 5,
+    "planner": 6,
+    "train": 7, "bench": 7, "revtrain": 7,
+    "parallel": 8, "options": 8,
+    "cli": 9,
+}
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_every_import_runs_down_the_floors_of_the_architecture_page():
+    graph = _graph()
+    rooms = {_room(m) for m in graph}
+    assert rooms <= set(FLOORS), f"rooms without a floor in docs/architecture.md: {sorted(rooms - set(FLOORS))}"
+    upward = sorted(
+        (a, b)
+        for a, targets in graph.items()
+        for b in targets
+        if _room(a) != _room(b) and FLOORS[_room(b)] >= FLOORS[_room(a)]
+    )
+    assert upward == [], f"imports that run sideways or up a floor: {upward}"

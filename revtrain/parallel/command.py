@@ -1,8 +1,8 @@
 """``revtrain train`` on several processes: ``--stages J`` (PETRA), ``--data-parallel N`` (DDP), ``--shard`` (FSDP2).
 
 The options are the fields of :class:`ParallelConfig` and of
-:class:`~revtrain.parallel.config.PetraConfig` (less the optimizer fields ``revtrain train``
-already has), added to the ``train`` command by :func:`add_parallel_options`.
+:class:`~revtrain.parallel.config.PetraConfig` less :data:`SHARED_WITH_TRAIN` (the optimizer
+fields ``revtrain train`` already has); ``revtrain.cli`` adds them to the ``train`` command.
 :func:`run_parallel` runs the command when one of them is given (None otherwise: an ordinary
 run):
 
@@ -19,19 +19,17 @@ Under ``torchrun`` this process is one rank: it trains instead of launching.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from revtrain.options import add_config_options, given_options
 from revtrain.parallel.config import PetraConfig
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
 
-__all__ = ["ParallelConfig", "add_parallel_options", "run_parallel", "petra_run_options", "PETRA_UNSUPPORTED"]
+__all__ = ["ParallelConfig", "run_parallel", "petra_run_options", "PETRA_UNSUPPORTED", "SHARED_WITH_TRAIN"]
 
-_SHARED_WITH_TRAIN = ("lr", "momentum", "nesterov", "weight_decay")
+SHARED_WITH_TRAIN = ("lr", "momentum", "nesterov", "weight_decay")
 """PetraConfig fields that ``revtrain train`` already has (TrainConfig's options feed them)."""
 
 PETRA_UNSUPPORTED = {
@@ -105,25 +103,22 @@ class ParallelConfig:
             raise PipelineConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
 
 
-def add_parallel_options(parser: argparse.ArgumentParser) -> None:
-    """Add the options of :class:`ParallelConfig` and PETRA's to ``revtrain train``."""
-    group = parser.add_argument_group("several processes (PETRA, DDP, FSDP2)")
-    add_config_options(group, ParallelConfig)  # type: ignore[arg-type]
-    petra = parser.add_argument_group("PETRA (with --stages)")
-    add_config_options(petra, PetraConfig, exclude=_SHARED_WITH_TRAIN)  # type: ignore[arg-type]
+def run_parallel(train_given: dict[str, Any], parallel_given: dict[str, Any], petra_given: dict[str, Any]) -> int | None:
+    """Run ``revtrain train`` on several processes if its options ask for it; None otherwise.
 
+    Args:
+        train_given: The :class:`~revtrain.train.TrainConfig` options given.
+        parallel_given: The :class:`ParallelConfig` options given.
+        petra_given: The :class:`PetraConfig` options given (none of :data:`SHARED_WITH_TRAIN`).
 
-def run_parallel(args: argparse.Namespace) -> int | None:
-    """Run ``revtrain train`` on several processes if its options ask for it; None otherwise."""
-    from revtrain.train import TrainConfig
-
-    parallel_given = given_options(args, ParallelConfig)
-    petra_given = {k: v for k, v in given_options(args, PetraConfig).items() if k not in _SHARED_WITH_TRAIN}
+    Returns:
+        The exit status (1: a process failed, the message is printed), or None when no option
+        asked for several processes.
+    """
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
     if not parallel_given and not petra_given:
         return None
     parallel = ParallelConfig(**parallel_given)
-    train_given = given_options(args, TrainConfig)
     if parallel.stages is None and petra_given:
         names = ", ".join("--" + k.replace("_", "-") for k in petra_given)
         raise PipelineConfigError(f"{names}: PETRA options; add --stages J")
@@ -165,7 +160,7 @@ def petra_run_options(train_given: dict[str, Any], parallel: ParallelConfig, pet
     options = RunOptions(**run, stages=parallel.stages, split=parallel.split, balance=parallel.balance,
                          engine=parallel.engine, backend=parallel.backend, port=parallel.port,
                          timeout=parallel.timeout)
-    petra = PetraConfig(**petra_given, **{k: train_given[k] for k in _SHARED_WITH_TRAIN if k in train_given})
+    petra = PetraConfig(**petra_given, **{k: train_given[k] for k in SHARED_WITH_TRAIN if k in train_given})
     return options, petra
 
 

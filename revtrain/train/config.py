@@ -114,6 +114,8 @@ class TrainConfig:
     """Also save a checkpoint every this many steps (0: at the end of each epoch only)."""
     log_every: int = 1
     """Write a step record to metrics.jsonl every this many steps."""
+    grad_angle_every: int = 0
+    """Every this many steps, measure on that step's batch the angle and relative error between gradients with stored (C-mode) and rebuilt (M-mode) activations per parameter group (RevNet §5.2): metrics.jsonl records and grad_angles.png in the run folder; training is unchanged (0: off)."""
     memory_report: bool = True
     """After training, measure one step's peak memory in the run's modes and with plain backprop."""
     quiet: bool = False
@@ -125,6 +127,7 @@ class TrainConfig:
         _at_least(self, "batch_size", 1)
         _at_least(self, "checkpoint_every", 0)
         _at_least(self, "log_every", 1)
+        _at_least(self, "grad_angle_every", 0)
         if self.eval_batch_size is not None:
             _at_least(self, "eval_batch_size", 1)
         if self.max_steps_per_epoch is not None:

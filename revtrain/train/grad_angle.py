@@ -30,7 +30,14 @@ from torch import Tensor, nn
 
 from revtrain.core import get_modes, reversible_blocks, set_modes
 
-__all__ = ["GroupAngle", "GradAngleResult", "gradient_angles", "angle_between", "plot_grad_angles"]
+__all__ = [
+    "GroupAngle",
+    "GradAngleResult",
+    "GradAngleMonitor",
+    "gradient_angles",
+    "angle_between",
+    "plot_grad_angles",
+]
 
 ALL = "all"
 """The group of every parameter together."""
@@ -248,3 +255,71 @@ def plot_grad_angles(
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+# -- in the trainer ----------------------------------------------------------------------------
+
+
+class GradAngleMonitor:
+    """``revtrain train --grad-angle-every N``: a measurement every ``N`` steps, on that step's batch.
+
+    The trainer calls :meth:`before_step` with each batch before its update: every ``every``-th
+    step it measures :func:`gradient_angles` with the parameters the update is about to use and
+    writes a ``"grad_angle"`` record to the metrics file. The measurement leaves the model, its
+    gradients and the random generators as they were, so a run with the monitor trains exactly
+    like one without. :meth:`plot` draws every record of the run folder's metrics file (resumed
+    runs included).
+    """
+
+    PNG = "grad_angles.png"
+
+    def __init__(
+        self,
+        every: int,
+        model: nn.Module,
+        loss_fn: Callable[[Any, Any], Tensor],
+        *,
+        context: Callable[[], Any],
+        group_depth: int = 1,
+    ) -> None:
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        if not reversible_blocks(model):
+            raise ValueError(
+                f"--grad-angle-every compares stored with rebuilt activations, but {type(model).__name__} "
+                "has no reversible layer: use a reversible model (revtrain models) or drop the option"
+            )
+        self.every, self.model, self.loss_fn = every, model, loss_fn
+        self.context, self.group_depth = context, group_depth
+        self.results: list[GradAngleResult] = []
+        """What this process measured, in order."""
+
+    def due(self, step: int) -> bool:
+        """Whether the update that makes ``step`` (1-based) is measured."""
+        return step % self.every == 0
+
+    def before_step(self, step: int, batch: tuple[Any, Any]) -> GradAngleResult | None:
+        """Measure on ``batch`` if update number ``step`` is due; return the result or None."""
+        if not self.due(step):
+            return None
+        with self.context():
+            result = gradient_angles(self.model, batch, self.loss_fn, group_depth=self.group_depth)
+        self.results.append(result)
+        return result
+
+    def summary_line(self) -> str | None:
+        """One line for the end of a run: how many measurements, the largest angle and error."""
+        if not self.results:
+            return None
+        worst = max(self.results, key=lambda r: r.overall.angle_deg).overall
+        largest_error = max(r.overall.rel_error for r in self.results)
+        return (
+            f"gradient angle, stored vs rebuilt activations ({len(self.results)} measurements in this "
+            f"process): at most {worst.angle_deg:.3g} degrees, relative error at most {largest_error:.2g}"
+        )
+
+    def plot(self, metrics_path: Path, run_dir: Path) -> Path | None:
+        """Draw the run's records to ``run_dir/grad_angles.png``; None when there are none."""
+        if not metrics_path.exists() or not _records(metrics_path, "grad_angle"):
+            return None
+        return plot_grad_angles(metrics_path, run_dir / self.PNG)

@@ -48,6 +48,7 @@ from revtrain.train.divergence import TrainingDivergedError, divergence_reason
 from revtrain.train.environment import busy_cpu_note, resolve_device, seed_everything
 from revtrain.train.files import atomic_write_text
 from revtrain.train.interrupts import StopSignals, TrainingInterrupted
+from revtrain.train.grad_angle import GradAngleMonitor
 from revtrain.train.memory_strategy import apply_memory_strategy
 from revtrain.train.metrics import EpochStats, MetricsWriter, live_memory, measure_step_memory
 from revtrain.train.optim import (
@@ -105,6 +106,7 @@ class Trainer:
         self.task, self.input_spec = fit.task, fit.spec
         self.model = create_model(config.model, **fit.overrides).to(self.device)
         self.compiled = compile_model(self.model) if config.compile else []
+        self.grad_angles = self._grad_angle_monitor()
         self.optimizer = build_optimizer(self.model, lr=config.lr, momentum=config.momentum,
                                          nesterov=config.nesterov, weight_decay=config.weight_decay,
                                          kind=config.optimizer)
@@ -224,6 +226,9 @@ class Trainer:
         try:
             self._phase = "step"
             for batch in self.train_loader:
+                if self.grad_angles is not None and self.grad_angles.due(self.step + 1):
+                    self._measure_grad_angles(batch, epoch)
+                    tick = time.perf_counter()  # the monitor is not training time
                 loss, sums = self.train_step(batch)
                 now = time.perf_counter()
                 self._record_step(loss, sums, self.task.samples(batch[1]), now - tick)
@@ -299,6 +304,25 @@ class Trainer:
             f"applied, and {self._kept_checkpoint()}. Lower --lr (now {self.config.lr:g}) or lengthen "
             "--warmup-epochs, then start again"
         )
+
+    # ------------------------------------------------------------------ gradient angle monitor
+
+    def _grad_angle_monitor(self) -> GradAngleMonitor | None:
+        if not self.config.grad_angle_every:
+            return None
+        try:
+            return GradAngleMonitor(self.config.grad_angle_every, self.model, self.task.loss,
+                                    context=self._autocast)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    def _measure_grad_angles(self, batch: Batch, epoch: int) -> None:
+        """Stored- vs rebuilt-activation gradients on the batch of the coming update (RevNet §5.2)."""
+        assert self.grad_angles is not None and self.metrics is not None
+        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        result = self.grad_angles.before_step(self.step + 1, (x, y))
+        if result is not None:
+            self.metrics.write("grad_angle", step=self.step + 1, epoch=epoch, **result.to_record())
 
     # ------------------------------------------------------------------ records
 
@@ -476,11 +500,18 @@ class Trainer:
                 f"step memory (batch {report.batch_size}, {modes}): {format_bytes(report.run_bytes)}; "
                 f"plain backprop needs {format_bytes(report.plain_bytes)} ({report.ratio:.2f}x)"
             )
+        angle_line = self.grad_angles.summary_line() if self.grad_angles is not None else None
+        if angle_line is not None:
+            lines.append(angle_line)
         lines.append(f"run folder: {self.run_dir} (summary.json, metrics.jsonl, checkpoint.pt)")
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         assert self.metrics is not None
         self.metrics.write("summary", **summary)
         self.metrics.close()
+        if self.grad_angles is not None:
+            plot = self.grad_angles.plot(self.run_dir / "metrics.jsonl", self.run_dir)
+            if plot is not None:
+                lines.append(f"gradient angles over training: {plot}")
         self._log("\n".join(lines))
         return summary
 
