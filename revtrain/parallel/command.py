@@ -47,6 +47,7 @@ PETRA_UNSUPPORTED = {
     "log_every": "PETRA writes one metrics line per epoch",
     "memory_report": "PETRA reports each stage's memory in summary.json",
     "divergence_factor": "PETRA has no divergence bound",
+    "grad_angle_every": "PETRA's rebuilds use moved parameters by design; --track-reconstruction reports their drift",
 }
 """``revtrain train`` options a ``--stages`` run refuses, and why."""
 
@@ -139,9 +140,11 @@ def petra_run_options(train_given: dict[str, Any], parallel: ParallelConfig, pet
     """
     from revtrain.parallel.options import RunOptions
 
-    refused = [k for k in train_given if k in PETRA_UNSUPPORTED]
+    known = {*_TRAIN_TO_PETRA_RUN, *SHARED_WITH_TRAIN, "resume"}
+    refused = [k for k in train_given if k not in known]
     if refused:
-        reasons = "; ".join(f"--{k.replace('_', '-')}: {PETRA_UNSUPPORTED[k]}" for k in refused)
+        reasons = "; ".join(f"--{k.replace('_', '-')}: {PETRA_UNSUPPORTED.get(k, 'a single-process option')}"
+                            for k in refused)
         raise PipelineConfigError(f"not available with --stages (PETRA): {reasons}. Drop them, or train "
                                   "without --stages")
     run = {_TRAIN_TO_PETRA_RUN[k]: v for k, v in train_given.items() if k in _TRAIN_TO_PETRA_RUN}

@@ -59,6 +59,7 @@ __all__ = ["DataParallelTrainer", "launch_data_parallel", "run_data_parallel_ran
 UNSUPPORTED = {
     "budget": "planning profiles one process; plan first with `revtrain plan` and pass --mode, or train without --data-parallel",
     "plan": "pass the plan's mode with --mode, or train without --data-parallel",
+    "grad_angle_every": "the monitor measures one process's step; run it without --data-parallel",
 }
 """``revtrain train`` options that a data-parallel run refuses, and what to do instead."""
 
@@ -337,7 +338,7 @@ def run_data_parallel_rank(given: Mapping[str, Any], world: int | None = None, *
 
 def _refuse_unsupported(given: Mapping[str, Any]) -> None:
     for name, fix in UNSUPPORTED.items():
-        if given.get(name) is not None:
+        if given.get(name) not in (None, 0):
             raise PipelineConfigError(f"--{name} is not available with --data-parallel: {fix}")
 
 
