@@ -192,9 +192,19 @@ def _check_profile(setup: MeasurementSetup, profile: Profile) -> None:
     from revtrain.core import reversible_blocks
 
     names = [name for name, _ in reversible_blocks(setup.model)]
-    if [b.name for b in profile.blocks] != names or profile.batch_size != setup.batch_size:
+    shape = tuple(setup.first_input.shape[1:])
+    if (
+        [b.name for b in profile.blocks] != names
+        or profile.batch_size != setup.batch_size
+        or tuple(profile.input_shape) != shape
+    ):
         raise ValueError(
-            f"the profile given was made for {profile.model!r} at batch size {profile.batch_size} "
-            f"with {len(profile.blocks)} blocks; this model has {len(names)} reversible blocks and the "
-            f"batch {setup.batch_size} samples: profile this model and batch again (profile=None)"
+            f"the profile given was made for {profile.model!r} at batch size {profile.batch_size} x "
+            f"{_shape(profile.input_shape)} with {len(profile.blocks)} blocks; this model has {len(names)} "
+            f"reversible blocks and the batch {setup.batch_size} samples of {_shape(shape)}: profile this "
+            "model and batch again (profile=None)"
         )
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape))

@@ -1,0 +1,146 @@
+"""The planner on every kind of reversible layer: coupling blocks (RevNet, Transformer) and
+invertible layers (In-place ABN, any ``Invertible``), and the sample shape in the workload key."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from revtrain.core import Invertible, ReversibleBlock, get_modes, reversible_blocks
+from revtrain.layers import InPlaceABN
+from revtrain.models import create_model_for, input_spec
+from revtrain.planner import Plan, TimingRule, make_plan, plan_for_model, prepare, profile_model, run_pipeline
+from revtrain.planner.block_timing import time_blocks
+from revtrain.tasks import task_for
+
+ONE_PAIR = TimingRule(warmup_pairs=0, min_pairs=1, max_pairs=1)
+
+
+class CountingScale(Invertible):
+    """``y = x * exp(s)`` per channel, counting its forward and inverse calls and the shapes it sees."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.log_s = nn.Parameter(torch.full((channels, 1, 1), 0.1))
+        self.calls: Counter[str] = Counter()
+        self.shapes: set[tuple[int, ...]] = set()
+
+    def forward_state(self, xs):
+        (x,) = xs
+        self.calls["forward"] += 1
+        self.shapes.add(tuple(x.shape))
+        return (x * self.log_s.exp(),)
+
+    def inverse_state(self, ys):
+        (y,) = ys
+        self.calls["inverse"] += 1
+        return (y * (-self.log_s).exp(),)
+
+
+def _half_conv() -> nn.Module:
+    return nn.Sequential(nn.BatchNorm2d(2), nn.ReLU(), nn.Conv2d(2, 2, 3, padding=1, bias=False))
+
+
+def mixed_model() -> nn.Sequential:
+    """One reversible layer of each kind: a one-tensor Invertible, In-place ABN, a coupling block
+    called on one tensor (split in halves inside), between ordinary layers."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False),
+        CountingScale(4),
+        InPlaceABN(4),
+        ReversibleBlock(_half_conv(), _half_conv()),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10),
+    )
+
+
+def image_batch(b: int = 4, size: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(b, 3, size, size, generator=gen), torch.randint(0, 10, (b,), generator=gen)
+
+
+def test_every_kind_of_layer_is_timed_in_both_modes_on_the_arguments_the_model_gave_it():
+    model = mixed_model()
+    scale = model[1]
+    pairs = 3
+    rule = TimingRule(warmup_pairs=0, min_pairs=pairs, max_pairs=pairs)
+    with prepare(model, image_batch()) as setup:
+        timing = time_blocks(setup, rule)
+    assert list(timing) == [name for name, _ in reversible_blocks(model)] == ["1", "2", "3"]
+    assert all(t.pairs == pairs for t in timing.values())
+    # The model's own no-grad forward: 1 call. Each C run: 1 forward. Each M run: 1 forward, then
+    # in backward 1 inverse and 1 forward that builds the graph to differentiate. So both modes ran,
+    # with a backward, on this layer alone.
+    assert scale.calls == {"forward": 1 + pairs * (1 + 2), "inverse": pairs}
+    assert scale.shapes == {(4, 4, 6, 6)}  # the model's activation, not a guess
+
+
+def test_in_place_abn_layers_are_planned_within_a_budget_that_forces_a_mix():
+    spec = input_spec("resnext29_iabn", input_size=(3, 8, 8))
+    model = create_model_for("resnext29_iabn", spec)
+    batch = spec.example(2)
+    profile = profile_model(model, batch, repeats=1, warmup=1, timing=ONE_PAIR, model_name="resnext29_iabn")
+    layers = reversible_blocks(model)
+    assert {type(layer) for _, layer in layers} == {InPlaceABN}
+    assert [b.name for b in profile.blocks] == [name for name, _ in layers]
+    assert all(b.m_bytes > 0 and b.t_e_s > 0 for b in profile.blocks)
+    # Half of what C-mode keeps in all: the knapsack must leave some layers in M-mode.
+    budget = profile.m_o_bytes + sum(b.m_bytes for b in profile.blocks) // 2
+    plan = plan_for_model(model, batch, budget, profile=profile, refine=0, measure=True, repeats=1, warmup=1)
+    assert set(plan.modes.values()) == {"M", "C"}
+    assert plan.input_shape == (3, 8, 8) and plan.batch_size == 2
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= budget
+    plan.apply(model)
+    assert get_modes(model) == plan.modes
+
+
+def test_transformer_blocks_are_planned_with_the_language_modelling_loss():
+    spec = input_spec("revformer_tiny", input_size=(8,))
+    model = create_model_for("revformer_tiny", spec)
+    assert model.embed.context == 8  # built for the sequence length
+    plan = plan_for_model(model, spec.example(2), "1GiB", loss_fn=task_for(spec).loss, repeats=1, warmup=1,
+                          refine=0, timing=ONE_PAIR, measure=True)
+    assert list(plan.modes) == [name for name, _ in reversible_blocks(model)]
+    assert {type(layer) for _, layer in reversible_blocks(model)} == {ReversibleBlock}
+    assert plan.input_shape == (8,)  # the sequence length is part of the plan's workload
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes
+
+
+def test_a_profile_of_another_sequence_length_is_refused():
+    spec = input_spec("revformer_tiny", input_size=(8,))
+    loss = task_for(spec).loss
+    model = create_model_for("revformer_tiny", spec.with_changes(shape=(16,)))  # context 16 takes both
+    profile = profile_model(model, spec.example(2), loss_fn=loss, repeats=1, warmup=1, timing=ONE_PAIR)
+    assert profile.input_shape == (8,)
+    longer = spec.with_changes(shape=(16,)).example(2)
+    with prepare(model, longer, loss_fn=loss, repeats=1, warmup=1) as setup:
+        with pytest.raises(ValueError, match=r"batch size 2 x 8 .* 2 samples of 16: profile this model"):
+            run_pipeline(setup, "1GiB", verify=False, profile=profile)
+
+
+def test_a_plan_names_a_workload_that_differs_from_a_run():
+    plan = Plan(modes={"b": "C"}, budget_bytes=1, granularity=1, predicted_step_time_s=0.1,
+                predicted_peak_bytes=1, batch_size=8, input_shape=(512,))
+    assert plan.workload_mismatch(8, (512,)) is None
+    assert plan.workload_mismatch(8, (1024,)) == "the plan was solved for sequence length 512 (this run: 1024)"
+    assert plan.workload_mismatch(4, (1024,)) == (
+        "the plan was solved for batch size 8 (this run: 4) and sequence length 512 (this run: 1024)"
+    )
+    image = Plan(modes={"b": "C"}, budget_bytes=1, granularity=1, predicted_step_time_s=0.1,
+                 predicted_peak_bytes=1, batch_size=8, input_shape=(3, 32, 32))
+    assert image.workload_mismatch(8, (3, 16, 16)) == "the plan was solved for samples of shape 3x32x32 (this run: 3x16x16)"
+    # A plan saved before the sample shape was recorded holds the batch size only.
+    saved = json.loads(image.to_json())
+    del saved["payload"]["input_shape"]
+    old = Plan.from_json(json.dumps(saved))
+    assert old.input_shape is None and old.workload_mismatch(8, (3, 16, 16)) is None
+    assert Plan.from_json(plan.to_json()).input_shape == (512,)
+
+
+def test_make_plan_records_the_profiled_sample_shape(tiny_profiled):
+    _, _, profile = tiny_profiled
+    assert make_plan(profile, 10**9).input_shape == (3, 12, 12)
