@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, overload
@@ -174,8 +175,16 @@ for token models (the context is the sequence length the spec's batches have).""
 
 def create_model_for(name: str, spec: InputSpec, **overrides: object) -> nn.Module:
     """Build the registered model ``name`` for inputs of ``spec`` (:data:`MODEL_OVERRIDES`), e.g. a
-    language model whose context is the spec's sequence length; ``overrides`` come on top."""
-    return create_model(name, **{**MODEL_OVERRIDES[spec.kind](spec), **overrides})
+    language model whose context is the spec's sequence length; ``overrides`` come on top.
+
+    An image model whose builder takes ``image_size`` (a ViT: its patch grid and position table
+    are fixed when it is built) also gets the spec's side, for square images.
+    """
+    fit = MODEL_OVERRIDES[spec.kind](spec)
+    if (spec.kind == "image" and len(spec.shape) == 3 and spec.shape[1] == spec.shape[2]
+            and "image_size" in inspect.signature(model_info(name).builder).parameters):
+        fit["image_size"] = spec.shape[1]
+    return create_model(name, **{**fit, **overrides})
 
 
 def input_spec(

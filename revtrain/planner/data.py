@@ -258,12 +258,7 @@ class Plan:
             reasons.append(f"batch size {self.batch_size} (this run: {batch_size})")
         shape = tuple(input_shape)
         if self.input_shape is not None and tuple(self.input_shape) != shape:
-            if len(shape) == 1 and len(self.input_shape) == 1:
-                reasons.append(f"sequence length {self.input_shape[0]} (this run: {shape[0]})")
-            else:
-                reasons.append(
-                    f"samples of shape {'x'.join(map(str, self.input_shape))} (this run: {'x'.join(map(str, shape))})"
-                )
+            reasons.append(f"{describe_sample(self.input_shape)} (this run: {'x'.join(map(str, shape))})")
         if not reasons:
             return None
         return f"the plan was solved for {' and '.join(reasons)}"
@@ -339,3 +334,11 @@ def _pos_int(x: Any, name: str) -> int:
     if v < 1:
         raise ValueError(f"{name} must be >= 1, got {v}")
     return v
+
+
+def describe_sample(shape: tuple[int, ...]) -> str:
+    """One sample's shape in words: ``"sequence length 512"`` for a token sequence ``(T,)``,
+    ``"samples of shape 3x32x32"`` otherwise."""
+    if len(shape) == 1:
+        return f"sequence length {shape[0]}"
+    return f"samples of shape {'x'.join(map(str, shape))}"

@@ -3,17 +3,20 @@ invertible layers (In-place ABN, any ``Invertible``), and the sample shape in th
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
 from torch import nn
 
-from revtrain.core import Invertible, ReversibleBlock, get_modes, reversible_blocks
+from revtrain.core import Invertible, ReversibleBlock, get_modes, reversible_blocks, set_modes
 from revtrain.layers import InPlaceABN
 from revtrain.models import create_model_for, input_spec
-from revtrain.planner import Plan, TimingRule, make_plan, plan_for_model, prepare, profile_model, run_pipeline
+from revtrain.models.resnext import ResNeXt
+from revtrain.planner import Plan, Profile, TimingRule, make_plan, plan_for_model, prepare, profile_model, run_pipeline
 from revtrain.planner.block_timing import time_blocks
 from revtrain.tasks import task_for
 
@@ -110,16 +113,74 @@ def test_transformer_blocks_are_planned_with_the_language_modelling_loss():
     assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes
 
 
-def test_a_profile_of_another_sequence_length_is_refused():
+def test_a_saved_profile_of_another_sequence_length_is_refused(tmp_path):
     spec = input_spec("revformer_tiny", input_size=(8,))
     loss = task_for(spec).loss
     model = create_model_for("revformer_tiny", spec.with_changes(shape=(16,)))  # context 16 takes both
     profile = profile_model(model, spec.example(2), loss_fn=loss, repeats=1, warmup=1, timing=ONE_PAIR)
     assert profile.input_shape == (8,)
+    profile.to_json(tmp_path / "profile.json")
+    saved = Profile.from_json(tmp_path / "profile.json")
     longer = spec.with_changes(shape=(16,)).example(2)
     with prepare(model, longer, loss_fn=loss, repeats=1, warmup=1) as setup:
-        with pytest.raises(ValueError, match=r"batch size 2 x 8 .* 2 samples of 16: profile this model"):
-            run_pipeline(setup, "1GiB", verify=False, profile=profile)
+        with pytest.raises(ValueError, match=r"at batch size 2, sequence length 8; this run has 2 reversible "
+                                             r"blocks at batch size 2, sequence length 16\. .* profile this model"):
+            run_pipeline(setup, "1GiB", verify=False, profile=saved)
+        # The same saved profile is taken at its own sequence length.
+    with prepare(model, spec.example(2), loss_fn=loss, repeats=1, warmup=1) as setup:
+        assert run_pipeline(setup, "1GiB", verify=False, profile=saved).profile is saved
+
+
+def tiny_resnext_iabn(num_classes: int = 10) -> ResNeXt:
+    """resnext29_iabn's layout at test size: two stages of one unit, cardinality 2."""
+    return ResNeXt((1, 1), cardinality=2, group_width=2, stem="cifar", norm_act=partial(InPlaceABN, slope=0.01),
+                   num_classes=num_classes)
+
+
+def _transformer_case():
+    spec = input_spec("revformer_tiny", input_size=(8,))
+    torch.manual_seed(0)
+    # Dropout on: M-mode must replay each block's dropout masks exactly when it rebuilds and
+    # re-runs the block in backward.
+    return create_model_for("revformer_tiny", spec, dropout=0.1).double(), spec.example(3), task_for(spec).loss
+
+
+def _in_place_abn_case():
+    spec = input_spec("resnext29_iabn", input_size=(3, 8, 8)).with_changes(dtype=torch.float64)
+    torch.manual_seed(0)
+    return tiny_resnext_iabn().double(), spec.example(3), task_for(spec).loss
+
+
+@pytest.mark.parametrize("case", [_transformer_case, _in_place_abn_case], ids=["transformer", "in-place-abn"])
+def test_the_planned_model_trains_exactly_like_all_c_mode(case):
+    # Profile -> plan -> apply, with a budget that forces a mix of modes, then one training
+    # step of the planned model and of its all-C-mode copy: in float64 the losses, every
+    # parameter gradient and every running statistic agree to round-off.
+    model, (x, y), loss_fn = case()
+    profile = profile_model(model, (x, y), loss_fn=loss_fn, repeats=1, warmup=1, timing=ONE_PAIR)
+    # Room for some C-mode blocks but not for all: below both the additive model's and the
+    # measured baseline-C peak (in a model this small, fixed bytes hide most of Σm_i).
+    budget = min(profile.m_o_bytes + max(b.m_bytes for b in profile.blocks), profile.peak_C_bytes - 1)
+    plan = plan_for_model(model, (x, y), budget, loss_fn=loss_fn, profile=profile, refine=0)
+    assert set(plan.modes.values()) == {"M", "C"}
+    all_c = copy.deepcopy(model)
+    set_modes(all_c, "C")
+    plan.apply(model)
+    assert get_modes(model) == plan.modes
+    losses = []
+    for net in (model, all_c):
+        net.train()
+        torch.manual_seed(1)
+        loss = loss_fn(net(x), y)
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=1e-12)
+    planned, reference = dict(model.named_parameters()), dict(all_c.named_parameters())
+    for name, p in reference.items():
+        assert p.grad is not None, name
+        torch.testing.assert_close(planned[name].grad, p.grad, rtol=1e-10, atol=1e-10, msg=name)
+    for (name, b), (_, b_ref) in zip(model.named_buffers(), all_c.named_buffers(), strict=True):
+        torch.testing.assert_close(b, b_ref, rtol=1e-10, atol=1e-10, msg=name)
 
 
 def test_a_plan_names_a_workload_that_differs_from_a_run():
