@@ -2,9 +2,9 @@
 
 Runs :func:`revtrain.bench.batch_sweep.run_planner_benchmark` (RevNet-110 on CIFAR-shaped synthetic
 batches, batch sizes 8/16/32/64 on CPU by default, one memory budget for all of them; any zoo model
-with reversible layers: ``--model revformer_small --input-shape 256``, ``--model resnext29_iabn``),
-prints the
-tables and writes ``results/planner_<model>_<device>.md`` and ``.json`` (with the machine, the
+with reversible layers: ``--model revformer_small --input-shape 512`` (a reversible Transformer,
+built with the sequence length as its context), ``--model resnext29_iabn`` (In-place ABN layers)),
+prints the tables and writes ``results/planner_<model>_<device>.md`` and ``.json`` (with the machine, the
 load average before and after and the exact command line) and two figures next to them:
 ``..._heatmap.png`` (mode per block per batch size, the paper's Fig. 4) and
 ``..._step_times.png`` (time per iteration and per sample, Fig. 5).
@@ -13,8 +13,9 @@ load average before and after and the exact command line) and two figures next t
     nice -n -5 python benchmarks/planner_sweep.py --device cpu
     python benchmarks/planner_sweep.py --device cuda --batch-sizes 64 128 256 512
     python benchmarks/planner_sweep.py --budget 120MiB --batch-sizes 8 16 --repeats 3 --out results/tmp/quick
-    python benchmarks/planner_sweep.py --device cpu --model revformer_small --input-shape 256 \
-        --model-options depth=8 --batch-sizes 1 2 4 8
+    python benchmarks/planner_sweep.py --device cpu --model revformer_small --input-shape 512 \
+        --batch-sizes 1 2 4 8 16 --model-options positions=rotary
+    python benchmarks/planner_sweep.py --device cpu --model resnext29_iabn --batch-sizes 4 8 16 32
 """
 
 from __future__ import annotations

@@ -52,3 +52,24 @@ def test_a_plan_made_at_another_sequence_length_is_flagged(corpus, tmp_path):
     trainer = Trainer(_config(corpus, tmp_path / "longer", plan=str(plan_path), context=16), out=out)
     assert "warning: the plan was solved for sequence length 8 (this run: 16)" in out.getvalue()
     assert get_modes(trainer.model) == Plan.from_json(plan_path).modes  # applied all the same, as for a batch size
+
+
+def test_train_budget_on_a_language_model_from_the_command_line(corpus, tmp_path, capsys):
+    from revtrain.cli import main
+
+    run_dir = tmp_path / "cli"
+    code = main(["train", "--model", "revformer-tiny", "--dataset", "text", "--data-dir", str(corpus),
+                 "--context", "8", "--batch-size", "4", "--epochs", "1", "--max-steps-per-epoch", "1",
+                 "--warmup-epochs", "0", "--device", "cpu", "--threads", "1", "--quiet", "--no-memory-report",
+                 "--budget", "1GiB", "--run-dir", str(run_dir)])
+    assert code in (0, None)
+    plan = Plan.from_json(run_dir / "plan.json")
+    assert plan.input_shape == (8,) and list(plan.modes) == ["layers.blocks.0", "layers.blocks.1"]
+    assert plan.summary() in capsys.readouterr().out
+
+
+def test_a_budget_no_plan_can_meet_on_a_language_model_is_a_clear_error(corpus, tmp_path):
+    from revtrain.planner.errors import BudgetTooSmallError
+
+    with pytest.raises(BudgetTooSmallError, match="budget"):
+        Trainer(_config(corpus, tmp_path / "small", budget="1KiB", context=8))
