@@ -126,7 +126,7 @@ def test_a_saved_profile_of_another_sequence_length_is_refused(tmp_path):
         with pytest.raises(ValueError, match=r"at batch size 2, sequence length 8; this run has 2 reversible "
                                              r"blocks at batch size 2, sequence length 16\. .* profile this model"):
             run_pipeline(setup, "1GiB", verify=False, profile=saved)
-        # The same saved profile is taken at its own sequence length.
+    # The same saved profile is taken at its own sequence length.
     with prepare(model, spec.example(2), loss_fn=loss, repeats=1, warmup=1) as setup:
         assert run_pipeline(setup, "1GiB", verify=False, profile=saved).profile is saved
 
@@ -205,3 +205,12 @@ def test_a_plan_names_a_workload_that_differs_from_a_run():
 def test_make_plan_records_the_profiled_sample_shape(tiny_profiled):
     _, _, profile = tiny_profiled
     assert make_plan(profile, 10**9).input_shape == (3, 12, 12)
+
+
+def test_a_vit_is_built_for_the_image_side_it_is_planned_at():
+    # A ViT's patch grid is fixed when it is built: planning it at 16x16 builds it for 16x16.
+    spec = input_spec("revvit_cifar", input_size=(3, 16, 16))
+    model = create_model_for("revvit_cifar", spec)
+    x, _ = spec.example(2)
+    assert model(x).shape == (2, 10)
+    assert len(reversible_blocks(model)) == 6
