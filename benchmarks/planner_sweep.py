@@ -1,8 +1,10 @@
 """The planner across batch sizes: baseline-M, baseline-C and the plan, predicted and measured.
 
 Runs :func:`revtrain.bench.batch_sweep.run_planner_benchmark` (RevNet-110 on CIFAR-shaped synthetic
-batches, batch sizes 8/16/32/64 on CPU by default, one memory budget for all of them), prints the
-tables and writes ``results/planner_<model>_<device>.md`` and ``.json`` (with the machine, the
+batches, batch sizes 8/16/32/64 on CPU by default, one memory budget for all of them; any zoo model
+with reversible layers: ``--model revformer_small --input-shape 512`` (a reversible Transformer,
+built with the sequence length as its context), ``--model resnext29_iabn`` (In-place ABN layers)),
+prints the tables and writes ``results/planner_<model>_<device>.md`` and ``.json`` (with the machine, the
 load average before and after and the exact command line) and two figures next to them:
 ``..._heatmap.png`` (mode per block per batch size, the paper's Fig. 4) and
 ``..._step_times.png`` (time per iteration and per sample, Fig. 5).
@@ -11,6 +13,9 @@ load average before and after and the exact command line) and two figures next t
     nice -n -5 python benchmarks/planner_sweep.py --device cpu
     python benchmarks/planner_sweep.py --device cuda --batch-sizes 64 128 256 512
     python benchmarks/planner_sweep.py --budget 120MiB --batch-sizes 8 16 --repeats 3 --out results/tmp/quick
+    python benchmarks/planner_sweep.py --device cpu --model revformer_small --input-shape 512 \
+        --batch-sizes 1 2 4 8 16 --model-options positions=rotary
+    python benchmarks/planner_sweep.py --device cpu --model resnext29_iabn --batch-sizes 4 8 16 32
 """
 
 from __future__ import annotations
@@ -73,12 +78,21 @@ def _markdown(result: PlannerBenchResult, meta: dict, figures: list[Path]) -> st
     info, cfg = meta["machine"], result.config
     hw = info.get("gpu") or info["cpu"]
     r0 = result.rows[0]
+    options = f" ({', '.join(cfg.model_options)})" if cfg.model_options else ""
+    kinds = ", ".join(f"{n} {kind}" for kind, n in result.layer_kinds.items()) or "reversible blocks"
+    if result.input_kind == "tokens":
+        batches = (f"synthetic token batches (sequences of {result.input_shape[0]} random ids below "
+                   f"{result.num_classes}, next-id targets; the model built with context {result.input_shape[0]})")
+        loss = "language-modelling loss (mean cross-entropy over tokens)"
+    else:
+        batches = (f"synthetic image batches ({'x'.join(map(str, result.input_shape))}, standard normal, "
+                   f"{result.num_classes} classes)")
+        loss = "cross-entropy"
     lines = [
-        f"# Planner benchmark: {cfg.model} across batch sizes",
+        f"# Planner benchmark: {cfg.model}{options} across batch sizes",
         "",
-        (f"{cfg.model} ({r0.n_blocks} reversible blocks), synthetic CIFAR-shaped batches "
-        f"({'x'.join(map(str, result.input_shape))}, {result.num_classes} classes), {cfg.dtype}; "
-        "a step is forward + cross-entropy + backward + SGD(momentum 0.9) step. Per batch size: verify "
+        (f"{cfg.model}{options} ({r0.n_blocks} reversible layers: {kinds}), {batches}, {cfg.dtype}; "
+        f"a step is forward + {loss} + backward + SGD(momentum 0.9) step. Per batch size: verify "
         "(once), profile (t_e, m_i, m_o), solve the knapsack (`plan (refine=0)`, the paper's plan), refine "
         f"(`plan`, `plan_for_model(refine={cfg.refine})`), then one measurement in which the four settings' "
         f"steps alternate: {cfg.warmup} warm-up + {cfg.repeats} timed steps each, medians reported, then one "

@@ -12,9 +12,11 @@ from revtrain.models import resnet, resnext, revnet, revnet_single_branch, trans
 from revtrain.models.revnet_single_branch import PetraRevNet
 from revtrain.models.inputs import InputSpec, image_input, token_input
 from revtrain.models.registry import (
+    MODEL_OVERRIDES,
     ModelInfo,
     count_params,
     create_model,
+    create_model_for,
     example_batch,
     input_spec,
     list_models,
@@ -28,6 +30,7 @@ from revtrain.models.vit import RevViT, ViT, ViTConfig
 
 __all__ = [
     "InputSpec",
+    "MODEL_OVERRIDES",
     "ModelInfo",
     "PetraRevNet",
     "PreActResNet",
@@ -41,6 +44,7 @@ __all__ = [
     "ViTConfig",
     "count_params",
     "create_model",
+    "create_model_for",
     "example_batch",
     "image_input",
     "input_spec",

@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import torch
 from torch import Tensor, nn
 
-from revtrain.models.inputs import InputSpec, image_input
+from revtrain.models.inputs import InputKind, InputSpec, image_input
 
 __all__ = [
+    "MODEL_OVERRIDES",
     "ModelInfo",
+    "create_model_for",
     "example_batch",
     "input_spec",
     "register_model",
@@ -159,6 +162,29 @@ def create_model(name: str, **overrides: object) -> nn.Module:
         ValueError: ``name`` is not registered; the message lists close matches.
     """
     return model_info(name).builder(**overrides)
+
+
+MODEL_OVERRIDES: dict[InputKind, Callable[[InputSpec], dict[str, Any]]] = {
+    "image": lambda spec: {"num_classes": spec.num_classes, "in_channels": spec.shape[0]},
+    "tokens": lambda spec: {"vocab_size": spec.vocab_size, "context": spec.shape[0]},
+}
+"""The ``create_model`` keyword arguments that fit a model of each input kind to an input spec:
+classes and channels for images (convolutions take any height and width), vocabulary and context
+for token models (the context is the sequence length the spec's batches have)."""
+
+
+def create_model_for(name: str, spec: InputSpec, **overrides: object) -> nn.Module:
+    """Build the registered model ``name`` for inputs of ``spec`` (:data:`MODEL_OVERRIDES`), e.g. a
+    language model whose context is the spec's sequence length; ``overrides`` come on top.
+
+    An image model whose builder takes ``image_size`` (a ViT: its patch grid and position table
+    are fixed when it is built) also gets the spec's side, for square images.
+    """
+    fit = MODEL_OVERRIDES[spec.kind](spec)
+    if (spec.kind == "image" and len(spec.shape) == 3 and spec.shape[1] == spec.shape[2]
+            and "image_size" in inspect.signature(model_info(name).builder).parameters):
+        fit["image_size"] = spec.shape[1]
+    return create_model(name, **{**fit, **overrides})
 
 
 def input_spec(

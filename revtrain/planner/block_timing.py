@@ -1,11 +1,14 @@
 """``t_e`` per block: the extra time of M-mode, timed in pairs until the estimate is stable.
 
 ``t_e = (t_f1 + t_b1) - (t_f2 + t_b2)`` (Jiang et al. 2021, §3.2): forward plus backward of a
-block in M-mode minus the same in C-mode. :func:`time_blocks` takes each block's real input with
-a pre-hook during one no-grad forward of the whole model and runs the block alone on it, M and C
-**paired**: one M run and one C run back to back, in alternating order (M then C, then C then
-M), so that a change of machine load, or a cost of running first, hits both modes alike. Each
-pair gives one difference; ``t_e`` is their median.
+block in M-mode minus the same in C-mode. A block is any reversible layer
+(:class:`~revtrain.core.Invertible`): a RevNet or Transformer coupling block, an In-place ABN
+layer. :func:`time_blocks` takes each block's real arguments with a pre-hook during one no-grad
+forward of the whole model and runs the block alone on them, M and C **paired**: one M run and
+one C run back to back, in alternating order (M then C, then C then M), so that a change of
+machine load, or a cost of running first, hits both modes alike. Each run's backward starts
+from a gradient of ones on every output. Each pair gives one difference; ``t_e`` is their
+median.
 
 **Stopping rule** (:class:`TimingRule`). After the warm-up pairs and at least ``min_pairs``
 pairs, timing stops as soon as the median is known to ``precision`` of itself: the standard
@@ -22,11 +25,12 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from revtrain.core import ReversibleBlock, reversible_blocks
+from revtrain.core import Invertible, reversible_blocks
 from revtrain.planner.setup import MeasurementSetup, call_model
 from revtrain.timing import iqr, median_is_stable, timer
 
@@ -95,63 +99,68 @@ def time_blocks(
     *,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, BlockTiming]:
-    """Time every reversible block of ``setup``'s model, M and C paired, until stable (module docstring).
+    """Time every reversible layer of ``setup``'s model, M and C paired, until stable (module docstring).
+
+    A reversible layer is any :class:`~revtrain.core.Invertible`: a coupling block
+    (:class:`~revtrain.core.ReversibleBlock`, called on a tensor or on a pair of halves) or an
+    invertible layer such as :class:`~revtrain.layers.InPlaceABN` (one tensor in, one out). Each
+    is timed on exactly the arguments the model's forward called it with
+    (:func:`_fresh_arguments`), so a layer's timing does not depend on how its call is spelled.
 
     Args:
         setup: The prepared model and batch; the model starts from its prepared state.
         rule: When to stop; default :class:`TimingRule`.
-        progress: Called with a line after each block.
+        progress: Called with a line after each layer.
 
     Returns:
-        A :class:`BlockTiming` per block, by module name.
+        A :class:`BlockTiming` per reversible layer, by module name.
     """
     rule = rule or TimingRule()
     dev = setup.device
     start = timer(dev)
-    blocks = reversible_blocks(setup.model)
-    names = {id(block): name for name, block in blocks}
+    layers = reversible_blocks(setup.model)
+    names = {id(layer): name for name, layer in layers}
     result: dict[str, BlockTiming] = {}
 
-    def run(block: ReversibleBlock, x1: Tensor, x2: Tensor, mode: str) -> tuple[float, float]:
-        block.mode = mode
-        z1 = x1.detach().requires_grad_()
-        z2 = x2.detach().requires_grad_()
+    def run(layer: Invertible, args: tuple, kwargs: dict, mode: str) -> tuple[float, float]:
+        layer.mode = mode
+        inputs = _fresh_arguments(args)
         with torch.enable_grad():
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             stop = start()
-            y1, y2 = block.forward((z1, z2))  # not __call__: that would re-enter this pre-hook
+            out = layer.forward(*inputs, **kwargs)  # not __call__: that would re-enter this pre-hook
             t_fwd = stop()
-            grads = (torch.ones_like(y1), torch.ones_like(y2))
+            outs = [t for t in _tensors(out) if t.requires_grad]
+            grads = [torch.ones_like(t) for t in outs]
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             stop = start()
-            torch.autograd.backward((y1, y2), grads)
+            torch.autograd.backward(outs, grads)
             t_bwd = stop()
         return t_fwd, t_bwd
 
-    def pair(block: ReversibleBlock, x1: Tensor, x2: Tensor, k: int) -> tuple[float, float, float, float]:
+    def pair(layer: Invertible, args: tuple, kwargs: dict, k: int) -> tuple[float, float, float, float]:
         if k % 2 == 0:
-            fm, bm = run(block, x1, x2, "M")
-            fc, bc = run(block, x1, x2, "C")
+            fm, bm = run(layer, args, kwargs, "M")
+            fc, bc = run(layer, args, kwargs, "C")
         else:
-            fc, bc = run(block, x1, x2, "C")
-            fm, bm = run(block, x1, x2, "M")
+            fc, bc = run(layer, args, kwargs, "C")
+            fm, bm = run(layer, args, kwargs, "M")
         return fm, bm, fc, bc
 
-    def pre(block: ReversibleBlock, args: tuple) -> None:
-        x1, x2 = block.to_state(args[0])  # a tensor (split in halves) or a pair (x1, x2)
+    def pre(layer: Invertible, args: tuple, kwargs: dict) -> None:
         for k in range(rule.warmup_pairs):
-            pair(block, x1, x2, k)
+            pair(layer, args, kwargs, k)
         rows: list[tuple[float, float, float, float]] = []
         diffs: list[float] = []
         while not rule.settled(diffs):
-            fm, bm, fc, bc = pair(block, x1, x2, len(rows))
+            fm, bm, fc, bc = pair(layer, args, kwargs, len(rows))
             rows.append((fm, bm, fc, bc))
             diffs.append((fm + bm) - (fc + bc))
         fm, bm, fc, bc = (statistics.median(col) for col in zip(*rows))
         t_e = statistics.median(diffs)
-        name = names[id(block)]
+        name = names[id(layer)]
         result[name] = BlockTiming(fm, bm, fc, bc, t_e if t_e > 0 else fm, iqr(diffs), len(diffs))
         if progress is not None:
             t = result[name]
@@ -159,7 +168,7 @@ def time_blocks(
 
     setup.reset()
     setup.model.train()
-    handles = [block.register_forward_pre_hook(pre) for _, block in blocks]
+    handles = [layer.register_forward_pre_hook(pre, with_kwargs=True) for _, layer in layers]
     try:
         with torch.no_grad():
             call_model(setup.model, setup.inputs)
@@ -169,7 +178,28 @@ def time_blocks(
     missing = [n for n in names.values() if n not in result]
     if missing:
         raise RuntimeError(
-            f"reversible blocks {missing[:5]} were not called in the model's forward; the planner "
-            "needs every reversible block to run on the example batch"
+            f"reversible layers {missing[:5]} were not called in the model's forward; the planner "
+            "needs every reversible layer (ReversibleBlock or other Invertible) to run on the example batch"
         )
     return result
+
+
+def _fresh_arguments(args: Any) -> Any:
+    """The layer's positional arguments as new leaves: every floating-point tensor detached and
+    requiring grad (in training, the activations they stand for carry gradients), other tensors
+    (token ids, masks) detached; tuples and lists keep their structure."""
+    if isinstance(args, Tensor):
+        leaf = args.detach()
+        return leaf.requires_grad_() if leaf.is_floating_point() else leaf
+    if isinstance(args, (tuple, list)):
+        return type(args)(_fresh_arguments(a) for a in args)
+    return args
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    """Every tensor in a layer's output: a tensor, or tuples and lists of them."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []

@@ -6,8 +6,12 @@ every option is checked when the config is built, before anything is measured. E
     revtrain plan --model revnet110 --batch-size 128 --budget 2GiB --out plan.json
     revtrain plan --model revnet38 --budget 50% --sweep 32,64,128,256 --plots-dir plots/
 
-The example batch comes from the model's registry entry (:func:`revtrain.models.input_spec`) and
-the loss from the task that trains such inputs (:func:`revtrain.tasks.task_for`).
+The example batch comes from the model's registry entry (:func:`revtrain.models.input_spec`), the
+model is built for it (:func:`revtrain.models.create_model_for`: a token model's context is the
+sequence length) and the loss comes from the task that trains such inputs
+(:func:`revtrain.tasks.task_for`). Any reversible layer is planned: RevNet and Transformer
+coupling blocks, In-place ABN layers (``revtrain plan --model revformer_small --input-shape 256``,
+``revtrain plan --model resnext29_iabn``).
 """
 
 from __future__ import annotations
@@ -47,9 +51,11 @@ class PlanConfig:
     """Step memory allowed: bytes, 6GiB, 512MB, a fraction 0.5 or 50% of the device's memory (CPU: of
     available RAM); default all the device can give now."""
     input_shape: tuple[int, ...] | None = None
-    """One sample's shape, e.g. 3 32 32 (default: the model's, from the registry)."""
+    """One sample's shape: C H W for an image model, e.g. 3 32 32; the sequence length T for a token
+    model, e.g. 512, which the model is built for (default: the model's, from the registry). A plan
+    holds only for this shape."""
     num_classes: int | None = None
-    """Classifier outputs (default: the model's)."""
+    """Classifier outputs, or the vocabulary of a token model (default: the model's)."""
     device: str = "auto"
     """auto (CUDA when present), cpu, cuda or cuda:N."""
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
@@ -88,7 +94,7 @@ class PlanConfig:
     def __post_init__(self) -> None:
         from revtrain.models import model_info
 
-        model_info(self.model)  # an unknown model fails here, with close matches
+        spec = model_info(self.model).inputs  # an unknown model fails here, with close matches
         for name, low in (("batch_size", 1), ("confirm", 0), ("repeats", 1), ("warmup", 1), ("refine", 0)):
             _at_least(self, name, low)
         try:
@@ -102,8 +108,15 @@ class PlanConfig:
             raise PlanConfigError(str(err)) from None
         if self.input_shape is not None:
             self.input_shape = tuple(self.input_shape)
+            example = "a sequence length like 512" if spec.kind == "tokens" else "sizes like 3 32 32"
             if not self.input_shape or min(self.input_shape) < 1:
-                raise PlanConfigError(f"input_shape must be positive sizes like 3 32 32, got {self.input_shape}")
+                raise PlanConfigError(f"input_shape must be {example}, got {self.input_shape}")
+            if len(self.input_shape) != len(spec.shape):
+                raise PlanConfigError(
+                    f"input_shape for {self.model}, a model of {spec.kind.removesuffix('s')} inputs of shape "
+                    f"{' '.join(map(str, spec.shape))}, must be {len(spec.shape)} number(s): {example}; "
+                    f"got {' '.join(map(str, self.input_shape))}"
+                )
         if self.num_classes is not None:
             _at_least(self, "num_classes", 1)
         if self.max_repeats is not None:
@@ -118,7 +131,7 @@ class PlanConfig:
 
 def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
     """Run ``revtrain plan``; returns the exit code (errors are raised for the CLI to print)."""
-    from revtrain.models import create_model, input_spec
+    from revtrain.models import create_model_for, input_spec
     from revtrain.tasks import task_for
 
     out = out or sys.stdout
@@ -135,15 +148,12 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
     spec = input_spec(config.model, input_size=config.input_shape, num_classes=config.num_classes)
     if spec.kind == "image":
         spec = spec.with_changes(dtype=dtype)
-    overrides: dict[str, int] = {}
-    if config.num_classes is not None:
-        overrides["num_classes"] = config.num_classes
-    if spec.kind == "image" and config.input_shape is not None:
-        overrides["in_channels"] = config.input_shape[0]
     torch.manual_seed(config.seed)
-    model = create_model(config.model, **overrides).to(dtype)
+    # Built for the spec: an image model for its channels and classes, a token model for its
+    # vocabulary and with the sequence length as its context.
+    model = create_model_for(config.model, spec).to(dtype)
     batch = spec.example(config.batch_size, dev, seed=config.seed)
-    shape = "x".join(map(str, spec.shape))
+    shape = f"{spec.shape[0]} tokens" if spec.kind == "tokens" else "x".join(map(str, spec.shape))
     say(f"revtrain plan: {config.model}, batch {config.batch_size} x {shape}, {config.dtype} on {dev}")
     with prepare(
         model, batch, loss_fn=task_for(spec).loss, device=dev, repeats=config.repeats,

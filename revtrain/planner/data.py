@@ -214,6 +214,11 @@ class Plan:
     """Name of the model the plan was solved for, as in its profile."""
     batch_size: int | None = None
     """Batch size the plan was solved for; the plan holds only at this batch size."""
+    input_shape: tuple[int, ...] | None = None
+    """Shape of one sample the plan was solved for, as in its profile: ``(C, H, W)`` for images,
+    ``(T,)`` (the sequence length) for token models. With the batch size it is the plan's
+    workload: activation memory grows with both (attention with ``T²``). None in plans saved
+    before it was recorded."""
     measured_step_time_s: float | None = None
     """Seconds per step measured when training with the plan; None until measured."""
     measured_peak_bytes: int | None = None
@@ -232,6 +237,8 @@ class Plan:
         self.predicted_peak_bytes = _nonneg_int(self.predicted_peak_bytes, "Plan.predicted_peak_bytes")
         if self.batch_size is not None:
             self.batch_size = _pos_int(self.batch_size, "Plan.batch_size")
+        if self.input_shape is not None:
+            self.input_shape = tuple(_pos_int(d, "Plan.input_shape entries") for d in self.input_shape)
         if self.measured_step_time_s is not None:
             self.measured_step_time_s = _nonneg_float(self.measured_step_time_s, "Plan.measured_step_time_s")
         if self.measured_peak_bytes is not None:
@@ -241,6 +248,20 @@ class Plan:
     def c_mode_blocks(self) -> list[str]:
         """Names of the blocks the plan runs in C-mode, in module order."""
         return [name for name, mode in self.modes.items() if mode == "C"]
+
+    def workload_mismatch(self, batch_size: int, input_shape: tuple[int, ...]) -> str | None:
+        """Why this plan does not hold for batches of ``batch_size`` samples of ``input_shape``
+        (the batch size, or the sample shape, e.g. the sequence length, differs from the one it
+        was solved for), in words; None when it holds or the plan does not say."""
+        reasons = []
+        if self.batch_size is not None and self.batch_size != batch_size:
+            reasons.append(f"batch size {self.batch_size} (this run: {batch_size})")
+        shape = tuple(input_shape)
+        if self.input_shape is not None and tuple(self.input_shape) != shape:
+            reasons.append(f"{describe_sample(self.input_shape)} (this run: {'x'.join(map(str, shape))})")
+        if not reasons:
+            return None
+        return f"the plan was solved for {' and '.join(reasons)}"
 
     def summary(self) -> str:
         """One line for logs: blocks in C-mode, predicted peak against budget, predicted step
@@ -313,3 +334,11 @@ def _pos_int(x: Any, name: str) -> int:
     if v < 1:
         raise ValueError(f"{name} must be >= 1, got {v}")
     return v
+
+
+def describe_sample(shape: tuple[int, ...]) -> str:
+    """One sample's shape in words: ``"sequence length 512"`` for a token sequence ``(T,)``,
+    ``"samples of shape 3x32x32"`` otherwise."""
+    if len(shape) == 1:
+        return f"sequence length {shape[0]}"
+    return f"samples of shape {'x'.join(map(str, shape))}"

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from revtrain.planner.block_timing import TimingRule
 from revtrain.planner.budget import resolve_budget
-from revtrain.planner.data import Plan, Profile
+from revtrain.planner.data import Plan, Profile, describe_sample
 from revtrain.planner.measure import StepMeasurement, measure_steps
 from revtrain.planner.profile import profile_setup
 from revtrain.planner.setup import LossFn, MeasurementSetup, Modes, OptimizerFactory, prepare
@@ -192,9 +192,17 @@ def _check_profile(setup: MeasurementSetup, profile: Profile) -> None:
     from revtrain.core import reversible_blocks
 
     names = [name for name, _ in reversible_blocks(setup.model)]
-    if [b.name for b in profile.blocks] != names or profile.batch_size != setup.batch_size:
+    shape = tuple(setup.first_input.shape[1:])
+    if (
+        [b.name for b in profile.blocks] != names
+        or profile.batch_size != setup.batch_size
+        or tuple(profile.input_shape) != shape
+    ):
         raise ValueError(
-            f"the profile given was made for {profile.model!r} at batch size {profile.batch_size} "
-            f"with {len(profile.blocks)} blocks; this model has {len(names)} reversible blocks and the "
-            f"batch {setup.batch_size} samples: profile this model and batch again (profile=None)"
+            f"the profile given was made for {profile.model!r} ({len(profile.blocks)} reversible blocks) at "
+            f"batch size {profile.batch_size}, {describe_sample(profile.input_shape)}; this run has "
+            f"{len(names)} reversible blocks at batch size {setup.batch_size}, {describe_sample(shape)}. "
+            "A profile holds for one model and workload only (activation memory and t_e grow with the "
+            "batch and the sample, attention with the square of the sequence length): profile this "
+            "model and batch again (profile=None)"
         )

@@ -99,14 +99,14 @@ def profile_setup(
         progress: Called with a line as each part starts.
 
     Raises:
-        ValueError: the model has no reversible block.
+        ValueError: the model has no reversible layer (ReversibleBlock or other Invertible).
     """
     say = progress or (lambda line: None)
     blocks = reversible_blocks(setup.model)
     if not blocks:
         raise ValueError(
-            f"{type(setup.model).__name__} has no ReversibleBlock, so there is nothing to plan; the "
-            "planner chooses modes for reversible blocks only"
+            f"{type(setup.model).__name__} has no reversible layer (ReversibleBlock or other Invertible), "
+            "so there is nothing to plan; the planner chooses modes for reversible layers only"
         )
     # Baseline-M's peak first (m_o); its time is taken below, alternating with baseline-C's.
     # The warm-up steps also absorb the slow first steps of a process (lazy initialisation,

@@ -86,6 +86,7 @@ def make_plan(
         predicted_peak_bytes=peak,
         model=profile.model,
         batch_size=profile.batch_size,
+        input_shape=tuple(profile.input_shape),
     )
 
 

@@ -10,7 +10,6 @@ decides, through one table.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,17 +17,12 @@ from torch import Tensor
 
 from revtrain.data import DatasetInfo
 from revtrain.models import input_spec
-from revtrain.models.inputs import InputKind, InputSpec
+from revtrain.models.inputs import InputSpec
+from revtrain.models.registry import MODEL_OVERRIDES  # re-exported here, where it was first defined
 from revtrain.tasks import Task, get_task, task_for
 from revtrain.train.config import ConfigError
 
 __all__ = ["ModelFit", "fit_model_to_data", "text_window", "MODEL_OVERRIDES"]
-
-MODEL_OVERRIDES: dict[InputKind, Callable[[InputSpec], dict[str, Any]]] = {
-    "image": lambda spec: {"num_classes": spec.num_classes, "in_channels": spec.shape[0]},
-    "tokens": lambda spec: {"vocab_size": spec.vocab_size, "context": spec.shape[0]},
-}
-"""The ``create_model`` keyword arguments that fit a model of each input kind to a dataset's spec."""
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from revtrain.core import set_modes
+from revtrain.models import input_spec
 from revtrain.planner import Plan, plan_for_model
 from revtrain.planner.setup import LossFn
+from revtrain.tasks import get_task, task_for
 from revtrain.train.optim import optimizer_factory
 from revtrain.train.config import ConfigError, TrainConfig
 
@@ -30,12 +31,15 @@ def apply_memory_strategy(
     device: torch.device,
     run_dir: Path,
     log: Callable[[str], None] = print,
-    loss_fn: LossFn = F.cross_entropy,
+    loss_fn: LossFn | None = None,
 ) -> Plan | None:
     """Set every block's mode as ``config`` says; returns the plan applied, or None.
 
-    ``config.plan`` loads a plan; ``config.budget`` profiles ``first_batch()`` with ``loss_fn``
-    (the run's task's loss; default cross-entropy), solves a plan and measures its real step
+    ``config.plan`` loads a plan (and warns when it was solved for another batch size or sample
+    shape, e.g. another sequence length, than ``first_batch()``'s); ``config.budget`` profiles
+    ``first_batch()`` with ``loss_fn`` (the run's task's loss; default the loss of the task that
+    trains ``config.model``: cross-entropy over classes or over tokens), solves a plan and
+    measures its real step
     (the model's weights, statistics, grads and the random generators are left as they were, so
     planning does not change the run's results); otherwise all blocks get ``config.mode``. A
     plan is also written to ``run_dir/plan.json``, and its summary (predicted and, when planned
@@ -46,11 +50,13 @@ def apply_memory_strategy(
             raise ConfigError(f"plan file {config.plan} does not exist; make one with `revtrain plan` "
                               "or set modes with --mode M|C")
         plan = Plan.from_json(config.plan)
-        if plan.batch_size is not None and plan.batch_size != config.batch_size:
-            log(f"warning: the plan was solved for batch size {plan.batch_size} and this run uses "
-                f"{config.batch_size}; its memory prediction does not hold (plan again at this size)")
+        sample_shape = tuple(first_batch()[0].shape[1:])
+        mismatch = plan.workload_mismatch(config.batch_size, sample_shape)
+        if mismatch is not None:
+            log(f"warning: {mismatch}; its memory prediction does not hold (plan again for this run's "
+                "batch size and input)")
     elif config.budget is not None:
-        plan = _plan_for_budget(model, config, first_batch(), device, loss_fn)
+        plan = _plan_for_budget(model, config, first_batch(), device, loss_fn or _task_loss(config))
     else:
         set_modes(model, config.mode)
         return None
@@ -68,3 +74,9 @@ def _plan_for_budget(model: nn.Module, config: TrainConfig, batch: Batch, device
     # generators as they were, so planning does not change the run's results.
     return plan_for_model(model, batch, config.budget, loss_fn=loss_fn, make_optimizer=make_optimizer,
                           device=device, model_name=config.model, measure=True)
+
+
+def _task_loss(config: TrainConfig) -> LossFn:
+    """The loss of the run's task, as the trainer picks it: ``--task``, or the task that trains
+    the model's kind of input (a language model's logits ``(B, T, V)`` need the token loss)."""
+    return (get_task(config.task) if config.task else task_for(input_spec(config.model))).loss

@@ -118,3 +118,38 @@ def test_script_options_come_from_the_config():
     assert (args.model, args.budget, args.t_e_precision) == ("revnet38", "64MiB", 0.1)
     with pytest.raises(ValueError, match="unknown unit"):
         PlannerBenchConfig(budget="5 parsecs")
+
+
+@pytest.mark.parametrize(
+    ("config", "kinds", "input_kind"),
+    [
+        (PlannerBenchConfig(model="revformer_tiny", model_options=("ff_chunks=2",), input_shape=(8,), batch_sizes=(1, 4),
+                            budget="64MiB", repeats=1, warmup=1, profile_repeats=1, refine=1, device="cpu",
+                            t_e_max_pairs=2), {"ReversibleBlock": 2}, "tokens"),
+        (PlannerBenchConfig(model="resnext29_iabn", input_shape=(3, 8, 8), batch_sizes=(1, 2), budget="64MiB",
+                            repeats=1, warmup=1, profile_repeats=1, refine=0, device="cpu", t_e_max_pairs=2),
+         {"InPlaceABN": 28}, "image"),
+    ],
+    ids=["transformer", "in-place-abn"],
+)
+def test_any_kind_of_reversible_layer_is_benchmarked(config, kinds, input_kind):
+    result = run_planner_benchmark(config)
+    assert result.layer_kinds == kinds and result.input_kind == input_kind
+    assert result.input_shape == config.input_shape
+    assert [r.batch_size for r in result.rows] == list(config.batch_sizes)
+    for r in result.rows:
+        assert list(r.settings) == list(SETTINGS) and r.n_blocks == sum(kinds.values())
+        assert tuple(r.profile["input_shape"]) == config.input_shape
+        assert r.settings["plan"].peak_bytes <= result.budget_bytes
+    data = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    assert json.loads(json.dumps(PlannerBenchResult.from_dict(data).to_dict())) == data
+
+
+def test_bad_model_options_and_input_shapes_are_refused():
+    with pytest.raises(ValueError, match="key=value"):
+        PlannerBenchConfig(model="revformer_tiny", model_options=("depth",))
+    with pytest.raises(ValueError, match="must be 1 positive number"):
+        PlannerBenchConfig(model="revformer_tiny", input_shape=(3, 8, 8))
+    assert PlannerBenchConfig(model="revformer_tiny", model_options=("depth=3", "dropout=0.1", "positions=rotary",
+                                                                     "tie_embeddings=true")).model_overrides() == {
+        "depth": 3, "dropout": 0.1, "positions": "rotary", "tie_embeddings": True}

@@ -59,6 +59,38 @@ def test_plan_prints_the_report_and_writes_plan_and_figures(tiny_zoo, tmp_path, 
     assert at_8.planned and at_8.modes == plan.modes and at_8.predicted_step_time_s == plan.predicted_step_time_s
 
 
+def test_a_transformer_is_planned_and_swept_at_the_sequence_length_asked(tmp_path, capsys):
+    # The model is built for the sequence length (context 8) and the vocabulary (64) asked; both
+    # the plan and the sweep's figures cover its reversible Transformer blocks.
+    code, out, err = run(
+        capsys, "--model", "revformer_tiny", "--batch-size", "4", "--input-shape", "8", "--num-classes", "64",
+        "--budget", "64MiB", "--device", "cpu", "--threads", "1", "--out", str(tmp_path / "plan.json"),
+        "--sweep", "2,4", "--confirm", "1", "--refine", "1", *FAST,
+    )
+    assert code == 0, err
+    assert "revtrain plan: revformer_tiny, batch 4 x 8 tokens" in out and "best batch size" in out
+    plan = Plan.from_json(tmp_path / "plan.json")
+    assert plan.input_shape == (8,) and plan.batch_size == 4
+    assert list(plan.modes) == ["layers.blocks.0", "layers.blocks.1"]
+    assert plan.measured_peak_bytes is not None and plan.measured_peak_bytes <= plan.budget_bytes
+    for name in ("plan_heatmap.png", "plan_step_times.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE
+    assert SweepResult.from_json(tmp_path / "plan_sweep.json").block_names == list(plan.modes)
+
+
+def test_in_place_abn_layers_are_planned_from_the_command_line(tmp_path, capsys):
+    code, out, err = run(
+        capsys, "--model", "resnext29_iabn", "--batch-size", "2", "--input-shape", "3", "8", "8",
+        "--budget", "64MiB", "--device", "cpu", "--threads", "1", "--out", str(tmp_path / "plan.json"),
+        "--refine", "0", *FAST,
+    )
+    assert code == 0, err
+    plan = Plan.from_json(tmp_path / "plan.json")
+    assert plan.input_shape == (3, 8, 8) and len(plan.modes) == 28  # 3 per unit x 9 units + the head's
+    assert "stages.0.0.bn1" in plan.modes and "head.bn" in plan.modes
+    assert "t_e of stages.0.0.bn1" in out
+
+
 def test_impossible_budget_says_what_fits_and_exits_2(tiny_zoo, tmp_path, capsys):
     code, out, err = run(capsys, "--model", "tiny", "--batch-size", "8", "--budget", "210KiB", "--device", "cpu",
                          "--out", str(tmp_path / "plan.json"), *FAST)
@@ -88,6 +120,8 @@ def test_a_budget_below_the_model_and_batch_is_refused_before_profiling(tiny_zoo
         (("--model", "tiny", "--t-e-precision", "0"), "precision"),
         (("--model", "tiny", "--threads", "0"), "threads"),
         (("--model", "no_such_model",), "unknown model"),
+        (("--model", "revformer_tiny", "--input-shape", "3", "8", "8"), "must be 1 number(s): a sequence length"),
+        (("--model", "resnext29_iabn", "--input-shape", "8"), "must be 3 number(s): sizes like 3 32 32"),
     ],
 )
 def test_bad_requests_exit_2_with_one_line_before_anything_runs(tiny_zoo, monkeypatch, capsys, argv, words):

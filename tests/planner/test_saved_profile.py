@@ -29,9 +29,13 @@ def test_the_same_profile_solves_to_the_same_plan(profile, budget):
     plan = make_plan(profile, budget, use_measured_baseline_c=True)
     expected = Plan.from_json(json.dumps(EXPECTED[budget]))
     plan.budget_source = expected.budget_source  # set by plan_for_model from the budget's text
+    # Plans now record the profiled sample shape too; the saved ones predate it (None when read).
+    assert expected.input_shape is None and plan.input_shape == profile.input_shape == (3, 32, 32)
+    expected.input_shape = profile.input_shape
     assert plan == expected
-    assert json.loads(plan.to_json())["payload"] == {k: v for k, v in EXPECTED[budget].items()
-                                                      if k not in ("format", "version")}
+    assert json.loads(plan.to_json())["payload"] == {
+        **{k: v for k, v in EXPECTED[budget].items() if k not in ("format", "version")}, "input_shape": [3, 32, 32]
+    }
 
 
 def test_the_saved_plans_span_all_m_to_all_c(profile):

@@ -148,4 +148,4 @@ def test_plan_for_another_batch_size_warns(tiny_config: TinyConfig, tmp_path: Pa
     plan.to_json(tmp_path / "plan.json")
     out = io.StringIO()
     Trainer(tiny_config(plan=str(tmp_path / "plan.json")), out=out)
-    assert "solved for batch size 128 and this run uses 16" in out.getvalue()
+    assert "warning: the plan was solved for batch size 128 (this run: 16)" in out.getvalue()

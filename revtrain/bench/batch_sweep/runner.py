@@ -1,8 +1,10 @@
 """Run the planner benchmark: baseline-M, baseline-C and the plan, measured across batch sizes.
 
-For one zoo model and a list of batch sizes, under one memory budget, the model is prepared once
+For one zoo model with reversible layers of any kind (RevNet or Transformer coupling blocks,
+In-place ABN layers) and a list of batch sizes, under one memory budget, the model is prepared once
 (:func:`revtrain.planner.prepare`), verified once, and each batch size's batch (built from the
-model's registry entry, :func:`revtrain.models.input_spec`) gets the planner's stages 2-3 with
+model's registry entry, :func:`revtrain.models.input_spec`; a token model is built with the
+sequence length as its context) gets the planner's stages 2-3 with
 :func:`revtrain.planner.run_pipeline`: profiled once, then planned twice from that profile,
 with ``refine=0`` (the paper's knapsack as solved) and with refinement (the library's default).
 Then one interleaved measurement (:func:`revtrain.planner.measure_steps`: the settings' timed
@@ -27,6 +29,7 @@ import dataclasses
 import gc
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,7 +84,7 @@ def auto_budget(
 def run_planner_benchmark(config: PlannerBenchConfig, *, log: Log = lambda line: None) -> PlannerBenchResult:
     """Plan and measure every batch size of ``config`` (module docstring); ``log`` gets progress."""
     from revtrain.core import reversible_blocks
-    from revtrain.models import create_model, input_spec
+    from revtrain.models import create_model_for, input_spec
     from revtrain.tasks import task_for
 
     threads = torch.get_num_threads()
@@ -92,12 +95,11 @@ def run_planner_benchmark(config: PlannerBenchConfig, *, log: Log = lambda line:
         spec = input_spec(config.model, input_size=config.input_shape, num_classes=config.num_classes)
         if spec.kind == "image":
             spec = spec.with_changes(dtype=dtype)
-        overrides = {"num_classes": spec.num_classes}
-        if spec.kind == "image":
-            overrides["in_channels"] = spec.shape[0]
         torch.manual_seed(config.seed)
-        model = create_model(config.model, **overrides).to(dtype)
-        names = [name for name, _ in reversible_blocks(model)]
+        model = create_model_for(config.model, spec, **config.model_overrides()).to(dtype)
+        layers = reversible_blocks(model)
+        names = [name for name, _ in layers]
+        kinds = Counter(type(layer).__name__ for _, layer in layers)
 
         def make_batch(b: int) -> Any:
             return spec.example(b, dev, seed=config.seed)
@@ -109,7 +111,8 @@ def run_planner_benchmark(config: PlannerBenchConfig, *, log: Log = lambda line:
             start = time.perf_counter()
             verify_setup(setup)
             verify_s = time.perf_counter() - start
-            log(f"{config.model}: {len(names)} reversible blocks, inverses verified in {verify_s:.1f} s")
+            kinds_text = ", ".join(f"{n} {k}" for k, n in kinds.items())
+            log(f"{config.model}: {len(names)} reversible layers ({kinds_text}), inverses verified in {verify_s:.1f} s")
             peaks: dict[str, int] = {}
             if config.budget is None:
                 budget, source, peaks = auto_budget(setup, make_batch, config.batch_sizes, margin=config.budget_margin)
@@ -133,6 +136,8 @@ def run_planner_benchmark(config: PlannerBenchConfig, *, log: Log = lambda line:
             num_classes=spec.num_classes,
             verify_s=verify_s,
             budget_peaks=peaks,
+            layer_kinds=dict(kinds),
+            input_kind=spec.kind,
         )
     finally:
         torch.set_num_threads(threads)

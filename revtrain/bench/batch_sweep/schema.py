@@ -28,7 +28,11 @@ class PlannerBenchConfig:
     """What to plan and measure, and how often."""
 
     model: str = "revnet110"
-    """Zoo model name (``revtrain models``)."""
+    """Zoo model name (``revtrain models``): any model with reversible layers (RevNet or Transformer
+    coupling blocks, In-place ABN layers)."""
+    model_options: tuple[str, ...] = ()
+    """Keyword overrides of the model's builder as key=value, e.g. depth=12 width=128 for a Transformer
+    (values read as int, float, true/false, else text)."""
     batch_sizes: tuple[int, ...] = (8, 16, 32, 64)
     """Batch sizes to plan and measure, ascending."""
     budget: str | None = None
@@ -42,9 +46,10 @@ class PlannerBenchConfig:
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
     """Parameter dtype (and input dtype of image models)."""
     input_shape: tuple[int, ...] | None = None
-    """One sample's shape, e.g. 3 32 32; default the model's (CIFAR: 3x32x32)."""
+    """One sample's shape: C H W for images, e.g. 3 32 32, or the sequence length T for a token model,
+    e.g. 256 (the model is built with that context); default the model's."""
     num_classes: int | None = None
-    """Classifier outputs; default the model's (CIFAR-10: 10)."""
+    """Classifier outputs, or the vocabulary of a token model; default the model's."""
     repeats: int = 5
     """Timed steps per setting in the final, interleaved measurement (medians are reported)."""
     warmup: int = 2
@@ -83,6 +88,26 @@ class PlannerBenchConfig:
             raise ValueError(f"threads must be a positive integer or None, got {self.threads!r}")
         if self.input_shape is not None:
             self.input_shape = tuple(int(d) for d in self.input_shape)
+        from revtrain.models import model_info
+
+        spec = model_info(self.model).inputs  # an unknown model fails here, with close matches
+        if self.input_shape is not None and (len(self.input_shape) != len(spec.shape) or min(self.input_shape) < 1):
+            raise ValueError(
+                f"input_shape for {self.model} ({spec.kind} inputs of shape {' '.join(map(str, spec.shape))}) "
+                f"must be {len(spec.shape)} positive number(s), got {' '.join(map(str, self.input_shape))}"
+            )
+        self.model_options = tuple(self.model_options)
+        self.model_overrides()
+
+    def model_overrides(self) -> dict[str, Any]:
+        """``model_options`` as keyword arguments of ``create_model``."""
+        out: dict[str, Any] = {}
+        for item in self.model_options:
+            key, sep, text = str(item).partition("=")
+            if not sep or not key.isidentifier():
+                raise ValueError(f"model_options must be key=value like depth=12, got {item!r}")
+            out[key] = _option_value(text)
+        return out
 
     def timing_rule(self) -> TimingRule:
         """How each block's ``t_e`` is timed while profiling."""
@@ -238,6 +263,10 @@ class PlannerBenchResult:
     """Seconds of stage 1 (verify every block's inverse, once, at the smallest batch size)."""
     budget_peaks: dict[str, int] = field(default_factory=dict)
     """With an automatic budget: the peaks it was computed from."""
+    layer_kinds: dict[str, int] = field(default_factory=dict)
+    """Reversible layers by class name, e.g. ``{"InPlaceABN": 28}``."""
+    input_kind: str = "image"
+    """``"image"`` or ``"tokens"`` (the model's :class:`~revtrain.models.InputSpec` kind)."""
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PlannerBenchResult:
@@ -246,6 +275,7 @@ class PlannerBenchResult:
         kwargs = {k: v for k, v in data.items() if k in names}
         config = dict(data["config"])
         config["batch_sizes"] = tuple(config["batch_sizes"])
+        config["model_options"] = tuple(config.get("model_options", ()))  # results from before the field
         kwargs.update(
             config=PlannerBenchConfig(**config),
             rows=[PlannerBenchRow.from_dict(r) for r in data["rows"]],
@@ -266,8 +296,22 @@ class PlannerBenchResult:
             "num_classes": self.num_classes,
             "verify_s": self.verify_s,
             "block_names": self.block_names,
+            "layer_kinds": self.layer_kinds,
+            "input_kind": self.input_kind,
             "rows": [r.to_dict() for r in self.rows],
         }
+
+
+def _option_value(text: str) -> Any:
+    """``"12"`` -> 12, ``"0.1"`` -> 0.1, ``"true"`` -> True, anything else stays text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _rel(predicted: float, measured: float) -> float:
