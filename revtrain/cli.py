@@ -69,6 +69,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "model": f" Choices: {', '.join(list_models())}.",
         "task": f" Choices: {', '.join(list_tasks())}.",
     })
+    from revtrain.parallel import PetraConfig
+    from revtrain.parallel.command import SHARED_WITH_TRAIN, ParallelConfig
+
+    # --stages (PETRA), --data-parallel (DDP), --shard (FSDP2): revtrain/parallel/command.py
+    _add_config_options(train.add_argument_group("several processes (PETRA, DDP, FSDP2)"), ParallelConfig)
+    _add_config_options(train.add_argument_group("PETRA (with --stages)"), PetraConfig, exclude=SHARED_WITH_TRAIN)
     train.set_defaults(run=_run_train)
 
     from revtrain.train.sample import SampleConfig
@@ -95,8 +101,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
+    from revtrain.parallel import PetraConfig
+    from revtrain.parallel.command import SHARED_WITH_TRAIN, ParallelConfig, run_parallel
     from revtrain.train import TrainConfig, Trainer, TrainingInterrupted, resolve_run
 
+    petra = {k: v for k, v in _given(args, PetraConfig).items() if k not in SHARED_WITH_TRAIN}
+    status = run_parallel(_given(args, TrainConfig), _given(args, ParallelConfig), petra)
+    if status is not None:
+        return status
     trainer = Trainer(resolve_run(_given(args, TrainConfig)))
     try:
         trainer.fit()

@@ -32,6 +32,7 @@ from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint, layout_of, norms
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.replay import AutocastState, ModuleTensors, no_running_stat_updates
+from revtrain.core.sharding import unsharded
 from revtrain.core.step import ReversibleStep, State, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
 
@@ -190,6 +191,8 @@ def _as_in_forward(run: _Run, i: int) -> contextlib.ExitStack:
     module = owner_module(run.layers[i])
     tensors = run.module_tensors[i]
     stack = contextlib.ExitStack()
+    # FSDP2-sharded layers are made whole first (core/sharding.py), as the forward saw them.
+    stack.enter_context(unsharded(run.layers[i : i + 1]))
     if module is not None:
         stack.enter_context(no_running_stat_updates(module))
     if tensors is not None:
@@ -341,11 +344,13 @@ def run_reversible(
             "alone is supported in M-mode"
         )
     # Parameters are inputs of the function so that autograd routes their gradients; the
-    # lists are collected once here and reused by backward.
-    run = run_spec(layers, len(xs), join_dim, extra)
-    params = [p for plist in run.param_lists for p in plist]
-    with keep_saved() as holders:
-        out = _ReversibleRun.apply(run, *xs, *extra.tensors, *params)
+    # lists are collected once here and reused by backward. FSDP2-sharded layers are made
+    # whole first, so the lists hold the parameters F and G really use (core/sharding.py).
+    with unsharded(layers):
+        run = run_spec(layers, len(xs), join_dim, extra)
+        params = [p for plist in run.param_lists for p in plist]
+        with keep_saved() as holders:
+            out = _ReversibleRun.apply(run, *xs, *extra.tensors, *params)
     outputs = out if isinstance(out, tuple) else (out,)
     node = outputs[0].grad_fn
     if isinstance(node, _ReversibleRun._backward_cls):

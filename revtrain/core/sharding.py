@@ -1,0 +1,51 @@
+"""FSDP2 and M-mode: make the parameters of ``fully_shard``-ed layers whole while M-mode runs them.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps a module's parameters sharded (DTensors)
+and makes them whole around the module's calls: a forward pre-hook unshards, a post-hook
+reshards, and a hook on the outputs unshards again when backward reaches them. An M-mode run
+of a :class:`~revtrain.core.ReversibleSequence` calls each layer's ``step_forward`` directly,
+not the layer's ``__call__``, and M-mode backward rebuilds layers inside the run's autograd
+function, so for the layers of a run none of those hooks fire: ``F`` and ``G`` would meet
+sharded parameters ("got mixed torch.Tensor and DTensor").
+
+:func:`unsharded` does what the hooks would: ``unshard()`` before and ``reshard()`` after, for
+each layer that FSDP manages and whose parameters are not already whole. The rebuild's
+gradients land on the unsharded parameters; FSDP's end-of-backward callback, queued by the
+root module's hook (FSDP2 needs the root ``fully_shard``-ed too), reduce-scatters them into the
+sharded gradients.
+
+Nothing here imports FSDP: a layer can only be an FSDP module if ``torch.distributed.fsdp``
+was imported already.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+__all__ = ["unsharded"]
+
+
+@contextlib.contextmanager
+def unsharded(layers: Iterable[Any]) -> Iterator[None]:
+    """Run the body with the parameters of every FSDP2-managed layer in ``layers`` whole."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module_type = getattr(fsdp, "FSDPModule", None)
+    if module_type is None:
+        yield
+        return
+    opened = [layer for layer in layers if isinstance(layer, module_type) and not _is_whole(layer)]
+    for layer in opened:
+        layer.unshard()
+    try:
+        yield
+    finally:
+        for layer in opened:
+            layer.reshard()
+
+
+def _is_whole(layer: Any) -> bool:
+    groups = getattr(layer._get_fsdp_state(), "_fsdp_param_groups", None) or []
+    return all(group.is_unsharded for group in groups)

@@ -1,0 +1,259 @@
+"""The multi-process PETRA engine: one OS process per stage, on ``torch.distributed``.
+
+Each process runs one stage's :class:`~revtrain.parallel.pipeline.StageTicker`, exactly as the
+simulator does, and exchanges its messages with its two neighbours once per tick: one
+``torch.distributed.batch_isend_irecv`` call posts the sends of what the previous tick
+produced and the receives of what this tick needs, then waits for all of them (gloo on CPU,
+NCCL on CUDA). Message shapes are known in advance on both sides (every stage knows every
+stage's output shape and every batch's size), so nothing but tensors crosses the wire.
+
+The process group comes from the standard ``env://`` rendezvous (``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), which ``torchrun`` and
+:mod:`revtrain.parallel.launch` both set. Rank ``r`` runs stage ``r``.
+
+Every wait has a timeout: a neighbour that died or hangs makes this process raise
+:class:`~revtrain.parallel.errors.StageFailedError` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import revtrain.parallel.schedule as schedule
+from revtrain.parallel.errors import PipelineConfigError, StageFailedError
+from revtrain.parallel.config import PetraConfig
+from revtrain.parallel.partition import Stage, stage_shapes
+from revtrain.parallel.pipeline import Activation, Gradient, StageTicker
+from revtrain.parallel.worker import StageWorker, plan_segments
+from revtrain.tasks import Task
+from revtrain.train.optim import LRSchedule
+
+__all__ = ["Shapes", "DistributedPipeline", "init_from_env", "check_backend", "batch_sizes"]
+
+_ACT, _TARGET, _REBUILT, _GRAD = 0, 1, 2, 3  # message tags
+
+
+def check_backend(backend: str, device: torch.device) -> str:
+    """The backend to use for ``device`` (``"auto"``: NCCL on CUDA, gloo on CPU); refuse what cannot run."""
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise PipelineConfigError(
+                "backend 'nccl' needs CUDA GPUs and none is available here; use backend 'gloo' "
+                "(CPU) or run on a machine with GPUs"
+            )
+        if not dist.is_nccl_available():
+            raise PipelineConfigError("this PyTorch build has no NCCL; use backend 'gloo'")
+        if device.type != "cuda":
+            raise PipelineConfigError("backend 'nccl' moves CUDA tensors only; use device 'cuda' or backend 'gloo'")
+    elif backend == "gloo":
+        if not dist.is_gloo_available():
+            raise PipelineConfigError("this PyTorch build has no gloo backend; use 'nccl' on GPUs")
+        if device.type == "cuda":
+            raise PipelineConfigError("gloo sends CPU tensors only; use backend 'nccl' (or 'auto') with device 'cuda'")
+    else:
+        raise PipelineConfigError(f"unknown backend {backend!r}; use 'auto', 'gloo' or 'nccl'")
+    return backend
+
+
+def init_from_env(backend: str, timeout_s: float) -> tuple[int, int]:
+    """Join the process group described by the environment (``env://``); return ``(rank, world size)``."""
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
+    if missing:
+        raise PipelineConfigError(
+            f"the env:// rendezvous needs {', '.join(missing)} in the environment; start the workers "
+            "with torchrun or `python -m revtrain.parallel --engine processes`"
+        )
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def batch_sizes(num_samples: int, batch_size: int, drop_last: bool) -> list[int]:
+    """The size of every batch of a loader over ``num_samples``."""
+    full, rest = divmod(num_samples, batch_size)
+    return [batch_size] * full + ([rest] if rest and not drop_last else [])
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What a stage must know to post its receives: shapes without the batch dimension, dtypes."""
+
+    input: tuple[int, ...]
+    """The stage's input (the previous stage's output)."""
+    output: tuple[int, ...]
+    """The stage's output."""
+    dtype: torch.dtype
+    """Dtype of activations and gradients."""
+    target: tuple[int, ...]
+    """Targets of one sample (``()`` for class ids)."""
+    target_dtype: torch.dtype
+    needs_output: bool
+    """Whether this stage's backward needs ``y~`` from the stage above."""
+    below_needs_output: bool
+
+
+class DistributedPipeline:
+    """One stage of a PETRA pipeline in this process; the other stages in the other ranks.
+
+    Args:
+        ticker: This stage's worker and schedule.
+        shapes: Message shapes.
+        device: Where messages live (CPU for gloo, this rank's GPU for NCCL).
+        timeout_s: Longest wait for a neighbour at any tick.
+        stage_ranks: The global rank of each stage, in stage order (default: stage ``s`` on rank
+            ``s``); ranks outside the list take no part.
+    """
+
+    def __init__(self, ticker: StageTicker, shapes: Shapes, device: torch.device, timeout_s: float,
+                 stage_ranks: Sequence[int] | None = None) -> None:
+        self.ticker = ticker
+        self.shapes = shapes
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.stage = ticker.worker.stage
+        ranks = list(range(self.stage.num_stages)) if stage_ranks is None else list(stage_ranks)
+        if len(ranks) != self.stage.num_stages:
+            raise PipelineConfigError(f"stage_ranks {ranks} must name one rank for each of the {self.stage.num_stages} stages")
+        s = self.stage.index
+        self.rank = ranks[s]
+        self._below = ranks[s - 1] if s > 0 else None
+        self._above = ranks[s + 1] if s + 1 < len(ranks) else None
+        self.tick_starts: list[float] = []
+        """``time.perf_counter()`` at the start of every tick of the last training epoch."""
+
+    @classmethod
+    def for_rank(
+        cls,
+        stages: Sequence[Stage],
+        index: int,
+        *,
+        config: PetraConfig,
+        batch_size: int,
+        task: Task,
+        sample: tuple[Tensor, Tensor],
+        schedule: LRSchedule | None = None,
+        device: torch.device | None = None,
+        timeout_s: float = 60.0,
+        stage_ranks: Sequence[int] | None = None,
+    ) -> DistributedPipeline:
+        """The pipeline of stage ``index`` of ``stages`` (a split every rank made the same way).
+
+        ``sample`` is one ``(inputs, targets)`` batch (on ``device``): it gives every stage's
+        message shapes and dtypes. ``stage_ranks`` maps stages to global ranks when stage ``s``
+        does not run on rank ``s``.
+        """
+        stage = stages[index]
+        worker = StageWorker(stage, config=config, batch_size=batch_size, schedule=schedule,
+                             task=task if stage.is_last else None)
+        needs = [not st.is_last and plan_segments(st, config.input_buffer)[-1].rebuild for st in stages]
+        ticker = StageTicker(worker, below_needs_output=index > 0 and needs[index - 1])
+        x, y = sample
+        outs = stage_shapes(stages, x[:1])
+        shapes = Shapes(input=tuple(x.shape[1:]) if index == 0 else outs[index - 1], output=outs[index],
+                        dtype=x.dtype, target=tuple(y.shape[1:]), target_dtype=y.dtype,
+                        needs_output=needs[index], below_needs_output=ticker.below_needs_output)
+        return cls(ticker, shapes, device or x.device, timeout_s, stage_ranks)
+
+    @property
+    def worker(self) -> StageWorker:
+        return self.ticker.worker
+
+    def train_epoch(self, epoch: int, batches: Iterable[tuple[Tensor, Tensor]] | None, sizes: Sequence[int]) -> None:
+        """Run this stage's part of one epoch (warm-up, steady state, drain) and flush.
+
+        Args:
+            epoch: Epoch index (seeds dropout).
+            batches: The data, read by the first stage only (others pass None).
+            sizes: The size of every batch of the epoch (all ranks).
+        """
+        n, j = len(sizes), self.stage.num_stages
+        self.stage.train()
+        self.worker.start_epoch(epoch)
+        data = iter(batches) if batches is not None else None
+        up_out: Activation | None = None
+        down_out: Gradient | None = None
+        self.tick_starts = []
+        for t in range(schedule.num_ticks(n, j)):
+            self.tick_starts.append(time.perf_counter())
+            up, down = self._exchange(t, n, sizes, up_out, down_out, training=True)
+            if self.stage.is_first:
+                b = schedule.forward_batch(0, t, n, j)
+                if b is not None:
+                    x, y = next(data)  # type: ignore[arg-type]
+                    up = Activation(b, x.to(self.device), y.to(self.device))
+            up_out, down_out = self.ticker.tick(t, n, up, down)
+        self.worker.flush()
+
+    @torch.no_grad()
+    def evaluate(self, task: Task, batches: Iterable[tuple[Tensor, Tensor]] | None, sizes: Sequence[int]) -> dict[str, float]:
+        """A pipelined ordinary forward in evaluation mode; the last stage returns the task's sums."""
+        n, j = len(sizes), self.stage.num_stages
+        was = self.stage.training
+        self.stage.eval()
+        sums: dict[str, float] = {}
+        data = iter(batches) if batches is not None else None
+        out: Activation | None = None
+        try:
+            for t in range(n + j - 1):
+                up, _ = self._exchange(t, n, sizes, out, None, training=False)
+                if self.stage.is_first and t < n:
+                    x, y = next(data)  # type: ignore[arg-type]
+                    up = Activation(t, x.to(self.device), y.to(self.device))
+                out = self.ticker.eval_tick(t, n, up, task, sums)
+        finally:
+            self.stage.train(was)
+        return sums
+
+    def _exchange(
+        self, tick: int, n: int, sizes: Sequence[int], up_out: Activation | None, down_out: Gradient | None,
+        *, training: bool,
+    ) -> tuple[Activation | None, Gradient | None]:
+        """Send what the previous tick produced and receive what this tick needs, in one call."""
+        s, sh = self.stage.index, self.shapes
+        ops: list[dist.P2POp] = []
+        if up_out is not None:
+            ops.append(dist.P2POp(dist.isend, up_out.x.contiguous(), self._above, tag=_ACT))
+            ops.append(dist.P2POp(dist.isend, up_out.target.contiguous(), self._above, tag=_TARGET))
+        if down_out is not None:
+            if sh.below_needs_output:
+                ops.append(dist.P2POp(dist.isend, down_out.x.contiguous(), self._below, tag=_REBUILT))  # type: ignore[union-attr]
+            ops.append(dist.P2POp(dist.isend, down_out.dx.contiguous(), self._below, tag=_GRAD))
+        up: Activation | None = None
+        down: Gradient | None = None
+        fb, bb = self.ticker.expects(tick, n)
+        if not training:
+            bb = None
+        if fb is not None and not self.stage.is_first:
+            x = torch.empty((sizes[fb], *sh.input), dtype=sh.dtype, device=self.device)
+            y = torch.empty((sizes[fb], *sh.target), dtype=sh.target_dtype, device=self.device)
+            ops.append(dist.P2POp(dist.irecv, x, self._below, tag=_ACT))
+            ops.append(dist.P2POp(dist.irecv, y, self._below, tag=_TARGET))
+            up = Activation(fb, x, y)
+        if bb is not None:
+            shape = (sizes[bb], *sh.output)
+            y_rebuilt = torch.empty(shape, dtype=sh.dtype, device=self.device) if sh.needs_output else None
+            dy = torch.empty(shape, dtype=sh.dtype, device=self.device)
+            if y_rebuilt is not None:
+                ops.append(dist.P2POp(dist.irecv, y_rebuilt, self._above, tag=_REBUILT))
+            ops.append(dist.P2POp(dist.irecv, dy, self._above, tag=_GRAD))
+            down = Gradient(bb, y_rebuilt, dy)
+        if ops:
+            try:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait(self.timeout)
+            except Exception as err:  # noqa: BLE001 - any transport failure ends the run clearly
+                raise StageFailedError(
+                    f"stage {s} (rank {self.rank}) lost contact with a neighbour at tick {tick}: {err}. A "
+                    "neighbouring stage's process died or stopped answering; see its own error"
+                ) from err
+        return up, down
