@@ -28,6 +28,8 @@ LM = "--dataset text --optimizer adamw --lr 3e-3 --grad-clip 1 --batch-size 32 -
 RUNS: dict[str, str] = {
     "digits-revnet38": "revtrain train",
     "digits-resnet32": "revtrain train --model resnet32",
+    "digits-petra-2-stages": "revtrain train --stages 2",
+    "digits-data-parallel-2": "revtrain train --data-parallel 2",
     "text-revformer-small": f"revtrain train --model revformer-small {LM}",
     "text-transformer-small": f"revtrain train --model transformer-small {LM}",
 }
