@@ -1,0 +1,26 @@
+"""benchmarks/zoo_modes.py runs and writes complete rows (a smoke test: no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_tiny_run_writes_complete_rows(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("zoo_modes", ROOT / "benchmarks" / "zoo_modes.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "zoo"
+    assert script.main(["--cases", "revnet38:8:4", "--repeats", "1", "--warmup", "1", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    (row,) = data["rows"]
+    assert row["model"] == "revnet38" and row["twin"] == "resnet32" and row["batch"] == 4
+    for key in ("M_s", "C_s", "plain_s", "M_over_C", "M_over_C_paired"):
+        assert row[key] > 0
+    # M-mode keeps less than C-mode: the reversible blocks' activations are rebuilt, not stored.
+    assert 0 < row["M_peak"] < row["C_peak"]
+    text = out.with_suffix(".md").read_text()
+    assert "command: `python benchmarks/zoo_modes.py" in text and "| revnet38 | 8×8 | 4 |" in text
