@@ -36,7 +36,7 @@ from revtrain.parallel.worker import StageWorker, plan_segments
 from revtrain.tasks import Task
 from revtrain.train.optim import LRSchedule
 
-__all__ = ["Shapes", "DistributedPipeline", "init_from_env", "check_backend", "batch_sizes"]
+__all__ = ["Shapes", "TickTiming", "DistributedPipeline", "init_from_env", "check_backend", "batch_sizes"]
 
 _ACT, _TARGET, _REBUILT, _GRAD = 0, 1, 2, 3  # message tags
 
@@ -102,6 +102,25 @@ class Shapes:
     below_needs_output: bool
 
 
+@dataclass(frozen=True)
+class TickTiming:
+    """Where one stage's time went in one training tick (wall seconds unless named CPU)."""
+
+    tick: int
+    start_s: float
+    """``time.perf_counter()`` at the start of the tick."""
+    exchange_s: float
+    """Posting this tick's sends and receives and waiting for the receives: communication and
+    waiting for a slower neighbour."""
+    forward_s: float
+    """The forward (the last stage: forward, loss and backward)."""
+    backward_s: float
+    """The backward with its parameter update."""
+    forward_cpu_s: float
+    backward_cpu_s: float
+    """The computations' CPU time in this thread (below the wall time: the stage waited for a core)."""
+
+
 class DistributedPipeline:
     """One stage of a PETRA pipeline in this process; the other stages in the other ranks.
 
@@ -128,8 +147,8 @@ class DistributedPipeline:
         self.rank = ranks[s]
         self._below = ranks[s - 1] if s > 0 else None
         self._above = ranks[s + 1] if s + 1 < len(ranks) else None
-        self.tick_starts: list[float] = []
-        """``time.perf_counter()`` at the start of every tick of the last training epoch."""
+        self.tick_timings: list[TickTiming] = []
+        """Where the time of every tick of the last training epoch went."""
 
     @classmethod
     def for_rank(
@@ -168,6 +187,11 @@ class DistributedPipeline:
     def worker(self) -> StageWorker:
         return self.ticker.worker
 
+    @property
+    def tick_starts(self) -> list[float]:
+        """``time.perf_counter()`` at the start of every tick of the last training epoch."""
+        return [t.start_s for t in self.tick_timings]
+
     def train_epoch(self, epoch: int, batches: Iterable[tuple[Tensor, Tensor]] | None, sizes: Sequence[int]) -> None:
         """Run this stage's part of one epoch (warm-up, steady state, drain) and flush.
 
@@ -182,16 +206,21 @@ class DistributedPipeline:
         data = iter(batches) if batches is not None else None
         up_out: Activation | None = None
         down_out: Gradient | None = None
-        self.tick_starts = []
+        self.tick_timings = []
         for t in range(schedule.num_ticks(n, j)):
-            self.tick_starts.append(time.perf_counter())
+            start = time.perf_counter()
             up, down = self._exchange(t, n, sizes, up_out, down_out, training=True)
+            exchanged = time.perf_counter()
             if self.stage.is_first:
                 b = schedule.forward_batch(0, t, n, j)
                 if b is not None:
                     x, y = next(data)  # type: ignore[arg-type]
                     up = Activation(b, x.to(self.device), y.to(self.device))
             up_out, down_out = self.ticker.tick(t, n, up, down)
+            c = self.ticker.last_seconds
+            self.tick_timings.append(TickTiming(
+                tick=t, start_s=start, exchange_s=exchanged - start, forward_s=c.forward_s, backward_s=c.backward_s,
+                forward_cpu_s=c.forward_cpu_s, backward_cpu_s=c.backward_cpu_s))
         self.worker.flush()
 
     @torch.no_grad()

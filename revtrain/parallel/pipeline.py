@@ -17,6 +17,7 @@ Messages:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,7 @@ import revtrain.parallel.schedule as schedule
 from revtrain.parallel.worker import StageWorker
 from revtrain.tasks import Task, add_sums
 
-__all__ = ["Activation", "Gradient", "StageTicker", "Event"]
+__all__ = ["Activation", "Gradient", "StageTicker", "Event", "ComputeSeconds"]
 
 
 @dataclass
@@ -59,6 +60,22 @@ class Event:
 
 
 @dataclass
+class ComputeSeconds:
+    """What the computations of one tick took on one stage (for throughput breakdowns).
+
+    Wall time is ``time.perf_counter``; CPU time is this thread's (``time.thread_time``), so a
+    wall time above the CPU time means the stage waited for a core (or for memory).
+    """
+
+    forward_s: float = 0.0
+    """Wall seconds of the forward (the last stage: forward, loss and backward)."""
+    backward_s: float = 0.0
+    """Wall seconds of the backward, parameter update included."""
+    forward_cpu_s: float = 0.0
+    backward_cpu_s: float = 0.0
+
+
+@dataclass
 class StageTicker:
     """One stage's part of the schedule.
 
@@ -72,6 +89,8 @@ class StageTicker:
     events: list[Event] = field(default_factory=list)
     peak_buffer_bytes: int = 0
     """Most bytes of kept inputs and stashed parameters held at once (right after a forward)."""
+    last_seconds: ComputeSeconds = field(default_factory=ComputeSeconds)
+    """What the computations of the latest :meth:`tick` took."""
 
     @property
     def index(self) -> int:
@@ -104,6 +123,7 @@ class StageTicker:
         fb, bb = self.expects(tick, num_batches)
         send_up: Activation | None = None
         send_down: Gradient | None = None
+        clock = _Clock()
         if fb is not None:
             if up is None or up.batch != fb:
                 raise RuntimeError(f"stage {s} tick {tick}: expected the activations of batch {fb}, got {_batch(up)}")
@@ -117,6 +137,7 @@ class StageTicker:
                 self.events.append(Event(tick, s, "F", fb))
                 self.peak_buffer_bytes = max(self.peak_buffer_bytes, worker.buffer_bytes())
                 send_up = Activation(fb, y, up.target)
+        forward_s, forward_cpu_s = clock.lap()
         if bb is not None:
             if down is None or down.batch != bb:
                 raise RuntimeError(f"stage {s} tick {tick}: expected the gradient of batch {bb}, got {_batch(down)}")
@@ -124,6 +145,9 @@ class StageTicker:
             self.events.append(Event(tick, s, "B", bb))
             if not worker.stage.is_first:
                 send_down = Gradient(bb, x if self.below_needs_output else None, dx)  # type: ignore[arg-type]
+        backward_s, backward_cpu_s = clock.lap()
+        self.last_seconds = ComputeSeconds(forward_s=forward_s, backward_s=backward_s,
+                                           forward_cpu_s=forward_cpu_s, backward_cpu_s=backward_cpu_s)
         return send_up, send_down
 
     @torch.no_grad()
@@ -143,6 +167,19 @@ class StageTicker:
             add_sums(sums, task.batch_sums(out, up.target))
             return None
         return Activation(b, out, up.target)
+
+
+class _Clock:
+    """Laps of wall time and of this thread's CPU time."""
+
+    def __init__(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), time.thread_time()
+
+    def lap(self) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        out = (wall - self._wall, cpu - self._cpu)
+        self._wall, self._cpu = wall, cpu
+        return out
 
 
 def _batch(message: Activation | Gradient | None) -> str:
