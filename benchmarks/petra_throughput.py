@@ -1,7 +1,7 @@
 """PETRA throughput with fair resources, against plain backprop, GPipe and 1F1B.
 
-Every configuration runs in fresh processes with ONE thread each, on the same model, batch and
-split:
+Every configuration runs in fresh processes with ONE thread each, on the same model and batch
+and, for one block mode, the same split:
 
 - ``plain``: one process, ordinary backprop (every block in C-mode), SGD step per batch;
 - ``concurrent``: J independent ``plain`` processes at once, no communication: the most this
@@ -9,7 +9,9 @@ split:
 - ``petra``: J processes (revtrain.parallel's DistributedPipeline, gloo); samples/s in the
   steady state (every stage busy with a forward and a backward each tick) and over the whole
   epoch (with the pipeline's warm-up and drain); the block modes matter only in the last stage
-  (forward and backward at once: C-mode stores its activations, M-mode rebuilds them);
+  (forward and backward at once: C-mode stores its activations, M-mode rebuilds them), so the
+  split is balanced for each mode with the unit times measured in that mode; a table shows
+  where a steady-state tick of each stage goes (forward, backward, exchange, the rest);
 - ``gpipe`` / ``1f1b``: J processes, ``torch.distributed.pipelining``'s ScheduleGPipe and
   Schedule1F1B on the same stages, the batch cut into ``--microbatches`` micro-batches, one SGD
   step per batch (they flush every step); run with the blocks in C-mode (plain autograd) and in

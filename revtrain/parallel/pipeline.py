@@ -119,11 +119,24 @@ class StageTicker:
         ``up`` is the activation for this tick's forward (on the first stage: the data batch),
         ``down`` the gradient for this tick's backward.
         """
+        send_up, send_down = self.tick_forward(tick, num_batches, up)
+        sent_down = self.tick_backward(tick, num_batches, down)
+        return send_up, sent_down if sent_down is not None else send_down
+
+    def tick_forward(
+        self, tick: int, num_batches: int, up: Activation | None
+    ) -> tuple[Activation | None, Gradient | None]:
+        """The first half of :meth:`tick`: the forward (the last stage: forward, loss and backward).
+
+        Returns ``(message up, message down)``; only the last stage has a message down here.
+        An engine may send them before it runs :meth:`tick_backward` (nothing in the backward
+        changes them).
+        """
         worker, s = self.worker, self.index
-        fb, bb = self.expects(tick, num_batches)
+        fb, _ = self.expects(tick, num_batches)
         send_up: Activation | None = None
         send_down: Gradient | None = None
-        clock = _Clock()
+        wall, cpu = time.perf_counter(), time.thread_time()
         if fb is not None:
             if up is None or up.batch != fb:
                 raise RuntimeError(f"stage {s} tick {tick}: expected the activations of batch {fb}, got {_batch(up)}")
@@ -137,7 +150,15 @@ class StageTicker:
                 self.events.append(Event(tick, s, "F", fb))
                 self.peak_buffer_bytes = max(self.peak_buffer_bytes, worker.buffer_bytes())
                 send_up = Activation(fb, y, up.target)
-        forward_s, forward_cpu_s = clock.lap()
+        self.last_seconds = ComputeSeconds(forward_s=time.perf_counter() - wall, forward_cpu_s=time.thread_time() - cpu)
+        return send_up, send_down
+
+    def tick_backward(self, tick: int, num_batches: int, down: Gradient | None) -> Gradient | None:
+        """The second half of :meth:`tick`: the backward (and update); returns the message down."""
+        worker, s = self.worker, self.index
+        _, bb = self.expects(tick, num_batches)
+        send_down: Gradient | None = None
+        wall, cpu = time.perf_counter(), time.thread_time()
         if bb is not None:
             if down is None or down.batch != bb:
                 raise RuntimeError(f"stage {s} tick {tick}: expected the gradient of batch {bb}, got {_batch(down)}")
@@ -145,10 +166,9 @@ class StageTicker:
             self.events.append(Event(tick, s, "B", bb))
             if not worker.stage.is_first:
                 send_down = Gradient(bb, x if self.below_needs_output else None, dx)  # type: ignore[arg-type]
-        backward_s, backward_cpu_s = clock.lap()
-        self.last_seconds = ComputeSeconds(forward_s=forward_s, backward_s=backward_s,
-                                           forward_cpu_s=forward_cpu_s, backward_cpu_s=backward_cpu_s)
-        return send_up, send_down
+        self.last_seconds.backward_s = time.perf_counter() - wall
+        self.last_seconds.backward_cpu_s = time.thread_time() - cpu
+        return send_down
 
     @torch.no_grad()
     def eval_tick(self, tick: int, num_batches: int, up: Activation | None, task: Task,
@@ -167,19 +187,6 @@ class StageTicker:
             add_sums(sums, task.batch_sums(out, up.target))
             return None
         return Activation(b, out, up.target)
-
-
-class _Clock:
-    """Laps of wall time and of this thread's CPU time."""
-
-    def __init__(self) -> None:
-        self._wall, self._cpu = time.perf_counter(), time.thread_time()
-
-    def lap(self) -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.thread_time()
-        out = (wall - self._wall, cpu - self._cpu)
-        self._wall, self._cpu = wall, cpu
-        return out
 
 
 def _batch(message: Activation | Gradient | None) -> str:
