@@ -1,7 +1,7 @@
 """PETRA throughput with fair resources, against plain backprop, GPipe and 1F1B.
 
-Every configuration runs in fresh processes with ONE thread each, on the same model, batch and
-split:
+Every configuration runs in fresh processes with ONE thread each, on the same model and batch
+and, for one block mode, the same split:
 
 - ``plain``: one process, ordinary backprop (every block in C-mode), SGD step per batch;
 - ``concurrent``: J independent ``plain`` processes at once, no communication: the most this
@@ -9,7 +9,9 @@ split:
 - ``petra``: J processes (revtrain.parallel's DistributedPipeline, gloo); samples/s in the
   steady state (every stage busy with a forward and a backward each tick) and over the whole
   epoch (with the pipeline's warm-up and drain); the block modes matter only in the last stage
-  (forward and backward at once: C-mode stores its activations, M-mode rebuilds them);
+  (forward and backward at once: C-mode stores its activations, M-mode rebuilds them), so the
+  split is balanced for each mode with the unit times measured in that mode; a table shows
+  where a steady-state tick of each stage goes (forward, backward, exchange, the rest);
 - ``gpipe`` / ``1f1b``: J processes, ``torch.distributed.pipelining``'s ScheduleGPipe and
   Schedule1F1B on the same stages, the batch cut into ``--microbatches`` micro-batches, one SGD
   step per batch (they flush every step); run with the blocks in C-mode (plain autograd) and in
@@ -147,13 +149,30 @@ def petra_rank(rank: int, world: int, args: argparse.Namespace, split: list[int]
     ticks = pipe.tick_starts + [start + seconds]
     busy = range(2 * (j - 1), n)  # ticks in which every stage runs a forward and a backward
     tick_s = statistics.median(ticks[t + 1] - ticks[t] for t in busy)
+    breakdown = _breakdown(pipe.tick_timings, ticks, busy)
     dist.barrier()
     with track_peak_memory("cpu") as mem:
         pipe.train_epoch(2, [(x, y)] * (2 * j) if rank == 0 else None, sizes[: 2 * j])
     _write(out, rank, {"steady_samples_per_s": args.batch_size / tick_s, "tick_s": tick_s,
                        "epoch_samples_per_s": n * args.batch_size / seconds, "epoch_batches": n,
+                       "breakdown": breakdown,
                        "peak_bytes": mem.peak_bytes, "peak_buffer_bytes": pipe.ticker.peak_buffer_bytes,
                        "static_bytes": _static_bytes(pipe.stage, pipe.worker.optimizer)})
+
+
+def _breakdown(timings: list[Any], ticks: list[float], busy: range) -> dict[str, float]:
+    """Median seconds per steady-state tick of one stage: where its time went."""
+    parts: dict[str, list[float]] = {k: [] for k in ("tick", "forward", "backward", "compute_cpu", "exchange", "other")}
+    for t in busy:
+        tt = timings[t]
+        tick = ticks[t + 1] - ticks[t]
+        parts["tick"].append(tick)
+        parts["forward"].append(tt.forward_s)
+        parts["backward"].append(tt.backward_s)
+        parts["compute_cpu"].append(tt.forward_cpu_s + tt.backward_cpu_s)
+        parts["exchange"].append(tt.exchange_s)
+        parts["other"].append(tick - tt.exchange_s - tt.forward_s - tt.backward_s)
+    return {k: statistics.median(v) for k, v in parts.items()}
 
 
 def pipelining_rank(rank: int, world: int, args: argparse.Namespace, split: list[int], kind: str, modes: str,
@@ -248,13 +267,16 @@ def _configurations(args: argparse.Namespace) -> list[tuple[str, int, Callable[[
                 return {"samples_per_s": sum(r["samples_per_s"] for r in ranks),
                         "per_worker_bytes": [r["static_bytes"] + r["peak_bytes"] for r in ranks]}
             configs.append((f"{j} independent plain processes at once (the machine's ceiling)", j, concurrent))
-        split = measured_split(_model(args), j, _batch(args)[0])
+        # Balanced by each unit's time in the mode it runs in: M-mode blocks cost the last stage
+        # a rebuild (forward without graph, then rebuild and backward), C-mode blocks do not.
+        splits = {mo: measured_split(_model(args, mo), j, _batch(args)[0]) for mo in dict.fromkeys(["C", *args.modes])}
+        split = splits["C"]
         extra = [[int(c) for c in text.split(",")] for text in args.extra_petra_splits]
         m = args.microbatches
         small = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size // m})
-        petra_runs = [(mo, split, f"balanced split {split}", args, 1) for mo in args.modes]
+        petra_runs = [(mo, splits[mo], f"balanced split {splits[mo]}", args, 1) for mo in args.modes]
         petra_runs += [("C", e, f"explicit split {e}", args, 1) for e in extra if len(e) == j]
-        petra_runs += [(mo, split, f"batch {small.batch_size} × k={m}, as the micro-batches", small, m)
+        petra_runs += [(mo, splits[mo], f"batch {small.batch_size} × k={m}, as the micro-batches", small, m)
                        for mo in args.modes if args.petra_microbatched]
         for modes, petra_split, how, run_args, k in petra_runs if "petra" in args.methods else []:
             def petra(j: int = j, run_args: argparse.Namespace = run_args, petra_split: list[int] = petra_split,
@@ -263,11 +285,12 @@ def _configurations(args: argparse.Namespace) -> list[tuple[str, int, Callable[[
                 return {"split": petra_split, "samples_per_s": ranks[0]["steady_samples_per_s"],
                         "epoch_samples_per_s": ranks[0]["epoch_samples_per_s"],
                         "per_worker_bytes": [r["static_bytes"] + r["peak_bytes"] for r in ranks],
-                        "kept_input_bytes": [r["peak_buffer_bytes"] for r in ranks]}
+                        "kept_input_bytes": [r["peak_buffer_bytes"] for r in ranks],
+                        "breakdown": [r["breakdown"] for r in ranks]}
             configs.append((f"PETRA ({modes}-mode blocks, {how})", j, petra))
         for kind in ("gpipe", "1f1b"):
             for modes in args.modes if kind in args.methods else []:
-                def pipelined(j: int = j, kind: str = kind, modes: str = modes, split: list[int] = split) -> dict[str, Any]:
+                def pipelined(j: int = j, kind: str = kind, modes: str = modes, split: list[int] = splits[modes]) -> dict[str, Any]:
                     ranks = _run(pipelining_rank, j, args, split, kind, modes)
                     return {"split": split, "samples_per_s": ranks[0]["samples_per_s"],
                             "per_worker_bytes": [r["static_bytes"] + r["peak_bytes"] for r in ranks]}
@@ -336,7 +359,28 @@ def _markdown(result: dict[str, Any]) -> str:
               "batches, averaging k=m of them per update: the same effective batch per update as GPipe and 1F1B "
               "and the same size of the tensors a step moves and keeps. Per-worker memory is what a worker's "
               "tensors take at its peak (parameters, optimizer state, activations, kept inputs, messages).", ""]
+    lines += _breakdown_markdown(result["rows"])
     return "\n".join(lines)
+
+
+def _breakdown_markdown(rows: list[dict[str, Any]]) -> list[str]:
+    """Per PETRA row (its best round) and stage: median milliseconds of a steady-state tick."""
+    petra = [r for r in rows if "breakdown" in r]
+    if not petra:
+        return []
+    lines = ["## Where a steady-state tick goes (PETRA, best round, median ms per tick)", "",
+             "| method | stage | tick | forward | backward (+ update) | compute CPU | exchange (comm + wait) | other |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in petra:
+        for s, b in enumerate(r["breakdown"]):
+            ms = {k: f"{v * 1e3:.1f}" for k, v in b.items()}
+            lines.append(f"| {r['method']} | {s} | {ms['tick']} | {ms['forward']} | {ms['backward']} | "
+                         f"{ms['compute_cpu']} | {ms['exchange']} | {ms['other']} |")
+    lines += ["", "forward: the last stage's forward, loss and backward; compute CPU: the computing thread's CPU "
+              "time (below forward + backward: the stage waited for a core); exchange: posting the tick's "
+              "sends and receives and waiting for the receives (communication, and idling for the slower "
+              "neighbour); other: the rest of the tick (reading the batch, Python).", ""]
+    return lines
 
 
 if __name__ == "__main__":

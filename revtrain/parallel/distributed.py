@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,7 +36,7 @@ from revtrain.parallel.worker import StageWorker, plan_segments
 from revtrain.tasks import Task
 from revtrain.train.optim import LRSchedule
 
-__all__ = ["Shapes", "DistributedPipeline", "init_from_env", "check_backend", "batch_sizes"]
+__all__ = ["Shapes", "TickTiming", "DistributedPipeline", "init_from_env", "check_backend", "batch_sizes"]
 
 _ACT, _TARGET, _REBUILT, _GRAD = 0, 1, 2, 3  # message tags
 
@@ -102,6 +102,25 @@ class Shapes:
     below_needs_output: bool
 
 
+@dataclass(frozen=True)
+class TickTiming:
+    """Where one stage's time went in one training tick (wall seconds unless named CPU)."""
+
+    tick: int
+    start_s: float
+    """``time.perf_counter()`` at the start of the tick."""
+    exchange_s: float
+    """Posting this tick's sends and receives and waiting for the receives: communication and
+    waiting for a slower neighbour."""
+    forward_s: float
+    """The forward (the last stage: forward, loss and backward)."""
+    backward_s: float
+    """The backward with its parameter update."""
+    forward_cpu_s: float
+    backward_cpu_s: float
+    """The computations' CPU time in this thread (below the wall time: the stage waited for a core)."""
+
+
 class DistributedPipeline:
     """One stage of a PETRA pipeline in this process; the other stages in the other ranks.
 
@@ -128,8 +147,12 @@ class DistributedPipeline:
         self.rank = ranks[s]
         self._below = ranks[s - 1] if s > 0 else None
         self._above = ranks[s + 1] if s + 1 < len(ranks) else None
-        self.tick_starts: list[float] = []
-        """``time.perf_counter()`` at the start of every tick of the last training epoch."""
+        self.overlap = device.type == "cpu"
+        """Overlap messages with computation (gloo). NCCL keeps the lockstep exchange: its
+        point-to-point calls block a stream until matched, and the overlapped order could
+        deadlock there."""
+        self.tick_timings: list[TickTiming] = []
+        """Where the time of every tick of the last training epoch went."""
 
     @classmethod
     def for_rank(
@@ -168,6 +191,11 @@ class DistributedPipeline:
     def worker(self) -> StageWorker:
         return self.ticker.worker
 
+    @property
+    def tick_starts(self) -> list[float]:
+        """``time.perf_counter()`` at the start of every tick of the last training epoch."""
+        return [t.start_s for t in self.tick_timings]
+
     def train_epoch(self, epoch: int, batches: Iterable[tuple[Tensor, Tensor]] | None, sizes: Sequence[int]) -> None:
         """Run this stage's part of one epoch (warm-up, steady state, drain) and flush.
 
@@ -176,23 +204,74 @@ class DistributedPipeline:
             batches: The data, read by the first stage only (others pass None).
             sizes: The size of every batch of the epoch (all ranks).
         """
-        n, j = len(sizes), self.stage.num_stages
         self.stage.train()
         self.worker.start_epoch(epoch)
         data = iter(batches) if batches is not None else None
+        self.tick_timings = []
+        if self.overlap:
+            self._train_overlapped(data, sizes)
+        else:
+            self._train_lockstep(data, sizes)
+        self.worker.flush()
+
+    def _train_lockstep(self, data: Iterator[tuple[Tensor, Tensor]] | None, sizes: Sequence[int]) -> None:
+        """Every tick: one exchange (last tick's sends, this tick's receives), then compute."""
+        n, j = len(sizes), self.stage.num_stages
         up_out: Activation | None = None
         down_out: Gradient | None = None
-        self.tick_starts = []
         for t in range(schedule.num_ticks(n, j)):
-            self.tick_starts.append(time.perf_counter())
+            start = time.perf_counter()
             up, down = self._exchange(t, n, sizes, up_out, down_out, training=True)
-            if self.stage.is_first:
-                b = schedule.forward_batch(0, t, n, j)
-                if b is not None:
-                    x, y = next(data)  # type: ignore[arg-type]
-                    up = Activation(b, x.to(self.device), y.to(self.device))
+            exchanged = time.perf_counter()
+            up = self._read_batch(t, n, data) or up
             up_out, down_out = self.ticker.tick(t, n, up, down)
-        self.worker.flush()
+            self._record(t, start, exchanged - start)
+
+    def _train_overlapped(self, data: Iterator[tuple[Tensor, Tensor]] | None, sizes: Sequence[int]) -> None:
+        """Every tick: wait for the forward's input, forward, send its output at once, wait for
+        the backward's input, backward, send. The receives of tick t + 1 are posted at the start
+        of tick t, so a message moves while both neighbours compute; the same computations run
+        in the same order as in lockstep, only the messages move earlier."""
+        n, j = len(sizes), self.stage.num_stages
+        ticks = schedule.num_ticks(n, j)
+        posted = {0: self._post(*self._receives(0, n, sizes, training=True), 0)} if ticks else {}
+        in_flight: list[dist.Work] = []
+        for t in range(ticks):
+            start = time.perf_counter()
+            if t + 1 < ticks:
+                posted[t + 1] = self._post(*self._receives(t + 1, n, sizes, training=True), t + 1)
+            up, down, up_works, down_works = posted.pop(t)
+            self._wait(up_works, t)
+            waited = time.perf_counter() - start
+            up = self._read_batch(t, n, data) or up
+            send_up, send_down = self.ticker.tick_forward(t, n, up)
+            clock = time.perf_counter()
+            sent = self._start(self._sends(send_up, send_down), t)
+            self._wait(down_works, t)
+            waited += time.perf_counter() - clock
+            send_down = self.ticker.tick_backward(t, n, down)
+            clock = time.perf_counter()
+            sent += self._start(self._sends(None, send_down), t)
+            self._wait(in_flight, t)  # last tick's sends: long done unless a neighbour is stuck
+            in_flight = sent
+            self._record(t, start, waited + time.perf_counter() - clock)
+        self._wait(in_flight, ticks)
+
+    def _read_batch(self, tick: int, n: int, data: Iterator[tuple[Tensor, Tensor]] | None) -> Activation | None:
+        """The first stage's data batch for this tick's forward, or None."""
+        if not self.stage.is_first:
+            return None
+        b = schedule.forward_batch(0, tick, n, self.stage.num_stages)
+        if b is None:
+            return None
+        x, y = next(data)  # type: ignore[arg-type]
+        return Activation(b, x.to(self.device), y.to(self.device))
+
+    def _record(self, tick: int, start: float, exchange_s: float) -> None:
+        c = self.ticker.last_seconds
+        self.tick_timings.append(TickTiming(
+            tick=tick, start_s=start, exchange_s=exchange_s, forward_s=c.forward_s, backward_s=c.backward_s,
+            forward_cpu_s=c.forward_cpu_s, backward_cpu_s=c.backward_cpu_s))
 
     @torch.no_grad()
     def evaluate(self, task: Task, batches: Iterable[tuple[Tensor, Tensor]] | None, sizes: Sequence[int]) -> dict[str, float]:
@@ -219,41 +298,75 @@ class DistributedPipeline:
         *, training: bool,
     ) -> tuple[Activation | None, Gradient | None]:
         """Send what the previous tick produced and receive what this tick needs, in one call."""
-        s, sh = self.stage.index, self.shapes
+        up, down, up_ops, down_ops = self._receives(tick, n, sizes, training=training)
+        self._wait(self._start(self._sends(up_out, down_out) + up_ops + down_ops, tick), tick)
+        return up, down
+
+    def _sends(self, up_out: Activation | None, down_out: Gradient | None) -> list[dist.P2POp]:
+        """The sends of a stage's outputs: activations and targets up, ``(x~, dx)`` down."""
         ops: list[dist.P2POp] = []
         if up_out is not None:
             ops.append(dist.P2POp(dist.isend, up_out.x.contiguous(), self._above, tag=_ACT))
             ops.append(dist.P2POp(dist.isend, up_out.target.contiguous(), self._above, tag=_TARGET))
         if down_out is not None:
-            if sh.below_needs_output:
+            if self.shapes.below_needs_output:
                 ops.append(dist.P2POp(dist.isend, down_out.x.contiguous(), self._below, tag=_REBUILT))  # type: ignore[union-attr]
             ops.append(dist.P2POp(dist.isend, down_out.dx.contiguous(), self._below, tag=_GRAD))
+        return ops
+
+    def _receives(
+        self, tick: int, n: int, sizes: Sequence[int], *, training: bool
+    ) -> tuple[Activation | None, Gradient | None, list[dist.P2POp], list[dist.P2POp]]:
+        """The messages ``tick`` needs (empty buffers) and the receives that fill them:
+        ``(up, down, receives for up, receives for down)``."""
+        sh = self.shapes
         up: Activation | None = None
         down: Gradient | None = None
+        up_ops: list[dist.P2POp] = []
+        down_ops: list[dist.P2POp] = []
         fb, bb = self.ticker.expects(tick, n)
         if not training:
             bb = None
         if fb is not None and not self.stage.is_first:
             x = torch.empty((sizes[fb], *sh.input), dtype=sh.dtype, device=self.device)
             y = torch.empty((sizes[fb], *sh.target), dtype=sh.target_dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, x, self._below, tag=_ACT))
-            ops.append(dist.P2POp(dist.irecv, y, self._below, tag=_TARGET))
+            up_ops.append(dist.P2POp(dist.irecv, x, self._below, tag=_ACT))
+            up_ops.append(dist.P2POp(dist.irecv, y, self._below, tag=_TARGET))
             up = Activation(fb, x, y)
         if bb is not None:
             shape = (sizes[bb], *sh.output)
             y_rebuilt = torch.empty(shape, dtype=sh.dtype, device=self.device) if sh.needs_output else None
             dy = torch.empty(shape, dtype=sh.dtype, device=self.device)
             if y_rebuilt is not None:
-                ops.append(dist.P2POp(dist.irecv, y_rebuilt, self._above, tag=_REBUILT))
-            ops.append(dist.P2POp(dist.irecv, dy, self._above, tag=_GRAD))
+                down_ops.append(dist.P2POp(dist.irecv, y_rebuilt, self._above, tag=_REBUILT))
+            down_ops.append(dist.P2POp(dist.irecv, dy, self._above, tag=_GRAD))
             down = Gradient(bb, y_rebuilt, dy)
-        if ops:
-            try:
-                for req in dist.batch_isend_irecv(ops):
-                    req.wait(self.timeout)
-            except Exception as err:  # noqa: BLE001 - any transport failure ends the run clearly
-                raise StageFailedError(
-                    f"stage {s} (rank {self.rank}) lost contact with a neighbour at tick {tick}: {err}. A "
-                    "neighbouring stage's process died or stopped answering; see its own error"
-                ) from err
-        return up, down
+        return up, down, up_ops, down_ops
+
+    def _post(
+        self, up: Activation | None, down: Gradient | None, up_ops: list[dist.P2POp], down_ops: list[dist.P2POp],
+        tick: int,
+    ) -> tuple[Activation | None, Gradient | None, list[dist.Work], list[dist.Work]]:
+        """Start the receives of a tick; its messages fill in the background."""
+        return up, down, self._start(up_ops, tick), self._start(down_ops, tick)
+
+    def _start(self, ops: list[dist.P2POp], tick: int) -> list[dist.Work]:
+        if not ops:
+            return []
+        try:
+            return list(dist.batch_isend_irecv(ops))
+        except Exception as err:  # noqa: BLE001 - any transport failure ends the run clearly
+            raise self._lost(tick, err) from err
+
+    def _wait(self, works: list[dist.Work], tick: int) -> None:
+        try:
+            for req in works:
+                req.wait(self.timeout)
+        except Exception as err:  # noqa: BLE001 - any transport failure ends the run clearly
+            raise self._lost(tick, err) from err
+
+    def _lost(self, tick: int, err: Exception) -> StageFailedError:
+        return StageFailedError(
+            f"stage {self.stage.index} (rank {self.rank}) lost contact with a neighbour at tick {tick}: {err}. A "
+            "neighbouring stage's process died or stopped answering; see its own error"
+        )

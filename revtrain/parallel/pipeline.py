@@ -17,6 +17,7 @@ Messages:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,7 @@ import revtrain.parallel.schedule as schedule
 from revtrain.parallel.worker import StageWorker
 from revtrain.tasks import Task, add_sums
 
-__all__ = ["Activation", "Gradient", "StageTicker", "Event"]
+__all__ = ["Activation", "Gradient", "StageTicker", "Event", "ComputeSeconds"]
 
 
 @dataclass
@@ -59,6 +60,22 @@ class Event:
 
 
 @dataclass
+class ComputeSeconds:
+    """What the computations of one tick took on one stage (for throughput breakdowns).
+
+    Wall time is ``time.perf_counter``; CPU time is this thread's (``time.thread_time``), so a
+    wall time above the CPU time means the stage waited for a core (or for memory).
+    """
+
+    forward_s: float = 0.0
+    """Wall seconds of the forward (the last stage: forward, loss and backward)."""
+    backward_s: float = 0.0
+    """Wall seconds of the backward, parameter update included."""
+    forward_cpu_s: float = 0.0
+    backward_cpu_s: float = 0.0
+
+
+@dataclass
 class StageTicker:
     """One stage's part of the schedule.
 
@@ -72,6 +89,8 @@ class StageTicker:
     events: list[Event] = field(default_factory=list)
     peak_buffer_bytes: int = 0
     """Most bytes of kept inputs and stashed parameters held at once (right after a forward)."""
+    last_seconds: ComputeSeconds = field(default_factory=ComputeSeconds)
+    """What the computations of the latest :meth:`tick` took."""
 
     @property
     def index(self) -> int:
@@ -100,10 +119,24 @@ class StageTicker:
         ``up`` is the activation for this tick's forward (on the first stage: the data batch),
         ``down`` the gradient for this tick's backward.
         """
+        send_up, send_down = self.tick_forward(tick, num_batches, up)
+        sent_down = self.tick_backward(tick, num_batches, down)
+        return send_up, sent_down if sent_down is not None else send_down
+
+    def tick_forward(
+        self, tick: int, num_batches: int, up: Activation | None
+    ) -> tuple[Activation | None, Gradient | None]:
+        """The first half of :meth:`tick`: the forward (the last stage: forward, loss and backward).
+
+        Returns ``(message up, message down)``; only the last stage has a message down here.
+        An engine may send them before it runs :meth:`tick_backward` (nothing in the backward
+        changes them).
+        """
         worker, s = self.worker, self.index
-        fb, bb = self.expects(tick, num_batches)
+        fb, _ = self.expects(tick, num_batches)
         send_up: Activation | None = None
         send_down: Gradient | None = None
+        wall, cpu = time.perf_counter(), time.thread_time()
         if fb is not None:
             if up is None or up.batch != fb:
                 raise RuntimeError(f"stage {s} tick {tick}: expected the activations of batch {fb}, got {_batch(up)}")
@@ -117,6 +150,15 @@ class StageTicker:
                 self.events.append(Event(tick, s, "F", fb))
                 self.peak_buffer_bytes = max(self.peak_buffer_bytes, worker.buffer_bytes())
                 send_up = Activation(fb, y, up.target)
+        self.last_seconds = ComputeSeconds(forward_s=time.perf_counter() - wall, forward_cpu_s=time.thread_time() - cpu)
+        return send_up, send_down
+
+    def tick_backward(self, tick: int, num_batches: int, down: Gradient | None) -> Gradient | None:
+        """The second half of :meth:`tick`: the backward (and update); returns the message down."""
+        worker, s = self.worker, self.index
+        _, bb = self.expects(tick, num_batches)
+        send_down: Gradient | None = None
+        wall, cpu = time.perf_counter(), time.thread_time()
         if bb is not None:
             if down is None or down.batch != bb:
                 raise RuntimeError(f"stage {s} tick {tick}: expected the gradient of batch {bb}, got {_batch(down)}")
@@ -124,7 +166,9 @@ class StageTicker:
             self.events.append(Event(tick, s, "B", bb))
             if not worker.stage.is_first:
                 send_down = Gradient(bb, x if self.below_needs_output else None, dx)  # type: ignore[arg-type]
-        return send_up, send_down
+        self.last_seconds.backward_s = time.perf_counter() - wall
+        self.last_seconds.backward_cpu_s = time.thread_time() - cpu
+        return send_down
 
     @torch.no_grad()
     def eval_tick(self, tick: int, num_batches: int, up: Activation | None, task: Task,

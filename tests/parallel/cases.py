@@ -218,12 +218,15 @@ def _pipeline_case_rank(rank: int, num_stages: int, case: str, out: Path) -> Non
     stages = split_model(model, num_stages, split)
     pipe = DistributedPipeline.for_rank(stages, rank, config=config, batch_size=batches[0][0].shape[0],
                                         task=Classification(), sample=batches[0])
+    pipe.overlap = not case.endswith("-lockstep")  # the exchange NCCL uses, run here on gloo
     pipe.train_epoch(0, batches if rank == 0 else None, [b[0].shape[0] for b in batches])
     torch.save({"units": pipe.stage.unit_state_dict(), "events": pipe.ticker.events}, out)
 
 
 def pipeline_case(case: str, num_stages: int) -> tuple[nn.Module, list, PetraConfig, list[int] | None]:
-    """The model, data, options and split of a named multi-process case (the same in every process)."""
+    """The model, data, options and split of a named multi-process case (the same in every process);
+    a ``-lockstep`` suffix names the same case run with the lockstep exchange."""
+    case = case.removesuffix("-lockstep")
     if case == "toy":
         torch.manual_seed(0)
         return (Toy().double(), toy_batches(5), PetraConfig(lr=0.05, accumulation=2, weight_decay=1e-3),

@@ -24,12 +24,13 @@ pytestmark = pytest.mark.multiprocess
 REPO = Path(__file__).resolve().parents[2]
 
 
-CASES = [("toy", 2), ("revnet", 2), ("revnet", 3)]
+CASES = [("toy", 2), ("revnet", 2), ("revnet", 3), ("revnet-lockstep", 3)]
 
 
 def test_processes_equal_the_simulator_bit_for_bit(tmp_path: Path) -> None:
-    """J=2 and J=3 pipelines in 3 gloo processes; every stage's weights and schedule equal the
-    simulator's exactly, and for the toy both equal the hand-written delayed update."""
+    """J=2 and J=3 pipelines in 3 gloo processes, messages overlapped with compute (gloo) and in
+    lockstep (NCCL's exchange); every stage's weights and schedule equal the simulator's
+    exactly, and for the toy both equal the hand-written delayed update."""
     run_ranks(pipeline_rank, 3, CASES, str(tmp_path))
     for case, num_stages in CASES:
         model, batches, config, split = pipeline_case(case, num_stages)
