@@ -37,18 +37,18 @@ DEFAULT_CASES = ("revnet38:8:64", "revnet38:32:128", "revnet110:8:64", "revnet11
 """``model:image side:batch``: digits size (8×8, the training default) and CIFAR size (32×32)."""
 
 
-def measure_case(model_name: str, side: int, batch_size: int, repeats: int, warmup: int) -> dict:
+def measure_case(model_name: str, side: int, batch_size: int, repeats: int, warmup: int, device: str = "cpu") -> dict:
     spec = input_spec(model_name, input_size=(3 if side == 32 else 1, side, side))
     overrides = {"in_channels": spec.shape[0], "num_classes": 10}
     torch.manual_seed(0)
     batch = spec.example(batch_size)
     model = create_model(model_name, **overrides)
-    with prepare(model, batch, device="cpu", repeats=repeats, warmup=warmup) as setup:
+    with prepare(model, batch, device=device, repeats=repeats, warmup=warmup) as setup:
         modes = measure_steps(setup, {"M": "M", "C": "C"})
     twin_name = TWINS[model_name]
     torch.manual_seed(0)
     twin = create_model(twin_name, **overrides)
-    with prepare(twin, batch, device="cpu", repeats=repeats, warmup=warmup) as setup:
+    with prepare(twin, batch, device=device, repeats=repeats, warmup=warmup) as setup:
         plain = measure_steps(setup, {"plain": None})["plain"]
     m, c = modes["M"], modes["C"]
     paired = [a / b for a, b in zip(m.times_s, c.times_s)]
@@ -63,12 +63,12 @@ def measure_case(model_name: str, side: int, batch_size: int, repeats: int, warm
     }
 
 
-def to_markdown(rows: list[dict], info: dict, command: str, load: tuple, threads: int) -> str:
+def to_markdown(rows: list[dict], info: dict, command: str, load: tuple, threads: int, device: str = "cpu") -> str:
     lines = [
         "# Zoo models: M-mode step against C-mode and the plain twin",
         "",
         f"- command: `{command}`",
-        f"- device: cpu, torch {torch.__version__}, {threads} thread(s), {os.cpu_count()} CPUs; {info.get('cpu', '')}",
+        f"- device: {_describe(device, info)}, torch {torch.__version__}, {threads} thread(s), {os.cpu_count()} CPUs",
         f"- load average before: {load[0]}, after: {load[1]}",
         "- whole SGD steps (forward, cross-entropy, backward, optimizer step); M and C alternate in rounds "
         "until each median is known to 2% (planner's measure_steps); the twin is measured after, on the same batch",
@@ -86,13 +86,20 @@ def to_markdown(rows: list[dict], info: dict, command: str, load: tuple, threads
     return "\n".join(lines) + "\n"
 
 
+def _describe(device: str, info: dict) -> str:
+    if device.startswith("cuda"):
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return f"cpu ({info.get('cpu', '')})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", default=list(DEFAULT_CASES), help="model:side:batch")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds at least (more until stable)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per setting")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "zoo_modes_cpu", help="path without suffix")
+    parser.add_argument("--out", type=Path, default=None, help="path without suffix (default results/zoo_modes_<device>)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -103,19 +110,19 @@ def main(argv: list[str] | None = None) -> int:
         name, side, batch = case.split(":")
         if name not in TWINS:
             parser.error(f"no plain twin known for {name}; choose from {sorted(TWINS)}")
-        rows.append(measure_case(name, int(side), int(batch), args.repeats, args.warmup))
+        rows.append(measure_case(name, int(side), int(batch), args.repeats, args.warmup, args.device))
         r = rows[-1]
         print(f"{case}: M {r['M_s'] * 1e3:.1f} ms, C {r['C_s'] * 1e3:.1f} ms, M/C {r['M_over_C']:.3f} "
               f"(paired {r['M_over_C_paired']:.3f}), twin {r['plain_s'] * 1e3:.1f} ms", flush=True)
     after = os.getloadavg()
-    info = machine_info(torch.device("cpu"))
-    out = args.out
+    info = machine_info(torch.device(args.device))
+    out = args.out or ROOT / "results" / f"zoo_modes_{args.device.split(':')[0]}"
     out.parent.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     out.with_suffix(".json").write_text(json.dumps(
         {"command": command, "date": stamp, "load_before": before, "load_after": after,
          "threads": torch.get_num_threads(), "machine": info, "rows": rows}, indent=2, default=str) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(rows, info, command, (before, after), torch.get_num_threads()))
+    out.with_suffix(".md").write_text(to_markdown(rows, info, command, (before, after), torch.get_num_threads(), args.device))
     print(f"wrote {out.with_suffix('.md')}")
     return 0
 
