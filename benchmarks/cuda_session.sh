@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The CUDA figures of results/*_cuda*: every GPU measurement of this repo in one go, on a machine
+# with one NVIDIA GPU, from the repository root. Peer libraries are installed from wheels in .whl/
+# when that folder exists (the GPU machine may have no network):
+#
+#     OUT=/tmp/cuda bash benchmarks/cuda_session.sh            # all parts, ~10 min on an H100
+#     OUT=/tmp/cuda bash benchmarks/cuda_session.sh tests core # only some parts
+#
+# Parts: tests (the CUDA-only tests and the core's suite on CUDA), core (core_peers + core_stack
+# with the overlap), zoo, transformer, planner, compile. Results go to $OUT/cuda/ and, packed, to
+# $OUT/cuda_results.tgz.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+R="${OUT:-results}/cuda"
+mkdir -p "$R"
+parts="${*:-tests core zoo transformer planner compile}"
+want() { [[ " $parts " == *" $1 "* ]]; }
+say() { echo "=== $* ($(date -u +%H:%M:%S))"; }
+
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/peers .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/peers"
+fi
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+  python3 -c "from revtrain.bench.peers import installed_peers; print('peers', installed_peers())"
+} 2>&1 | tee "$R/machine.txt"
+
+if want tests; then
+  say tests
+  python3 -m pytest -q -p no:cacheprovider tests/core tests/test_memory.py tests/test_compilation.py 2>&1 \
+    | tail -15 | tee "$R/pytest_cuda.txt"
+fi
+if want core; then
+  say core_peers
+  python3 benchmarks/core_peers.py --device cuda --out "$R/core_peers_cuda"
+  say core_stack
+  python3 benchmarks/core_stack.py --device cuda --methods plain M C checkpoint M-nocheck M-overlap \
+    --with-peers --out "$R/core_stack_cuda"
+fi
+if want zoo; then
+  say zoo_modes
+  python3 benchmarks/zoo_modes.py --device cuda --cases revnet38:8:64 revnet38:32:128 revnet110:8:64 \
+    revnet110:32:128 revnet110:32:512 --out "$R/zoo_modes_cuda"
+fi
+if want transformer; then
+  say transformer_memory
+  python3 benchmarks/transformer_memory.py --device cuda --out "$R/transformer_memory_cuda"
+fi
+if want planner; then
+  say planner_sweep
+  python3 benchmarks/planner_sweep.py --device cuda --model revnet110 --batch-sizes 64 128 256 512 \
+    --out "$R/planner_revnet110_cuda"
+fi
+if want compile; then
+  say compile_gain
+  python3 benchmarks/compile_gain.py --device cuda --out "$R/compile_cuda"
+fi
+say done
+tar czf "${OUT:-results}/cuda_results.tgz" -C "$R" .
