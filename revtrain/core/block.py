@@ -328,6 +328,7 @@ def _couple_reverse(
     coupling = roles.coupling
     y1, y2 = ys
     dy1, dy2 = dys
+    _consume(ys, dys)  # from here on, y2 and dy1 die as soon as this function is done with them
     params = list(params)
     extra_wrt = [t for t in extra.tensors if t.requires_grad]
     n_params = len(params)
@@ -340,15 +341,18 @@ def _couple_reverse(
     h_g_value = _detached(h_g)
     with torch.no_grad():
         x2 = coupling.inverse(y2, h_g_value)
+    del y2
     dx2: Tensor | None = None
     grads: list[Tensor | None] = [None] * (n_params + len(extra_wrt))
     dz1 = dy1
     if dy2 is not None:
         dx2, dh_g = coupling.vjp(x2, h_g_value, dy2)
+        del dy2
         dz1_g, *grads = autograd_grads([h_g], [z1, *params, *extra_wrt], [dh_g])
-        dz1 = dz1_g if dy1 is None else _add(dy1, dz1_g)
         del dh_g
-    del h_g, h_g_value
+        dz1 = dz1_g if dy1 is None else _add(dy1, dz1_g)
+        del dz1_g
+    del h_g, h_g_value, dy1
 
     build_f = dz1 is not None
     x2 = x2.detach().requires_grad_(need_input_grad and build_f)
@@ -357,6 +361,7 @@ def _couple_reverse(
     h_f_value = _detached(h_f)
     with torch.no_grad():
         x1 = coupling.inverse(z1.detach(), h_f_value)
+    del y1, z1  # G's graph is gone: nothing reads the output half any more
     dx1: Tensor | None = None
     if build_f:
         dx1, dh_f = coupling.vjp(x1, h_f_value, dz1)  # type: ignore[arg-type]
@@ -396,6 +401,13 @@ def _explain_call_error(fn: nn.Module, fn_name: str, inp: Tensor, extra: ExtraAr
             f"everything after its input on to F and G. Give {fn_name}.forward those parameters, "
             "or call a block on a pair as block((x1, x2)), not block(x1, x2)"
         ) from err
+
+
+def _consume(ys: Sequence[Tensor], dys: Sequence[Tensor | None]) -> None:
+    """Empty the caller's state lists (M-mode's backward passes lists it no longer reads)."""
+    for items in (ys, dys):
+        if isinstance(items, list):
+            items.clear()
 
 
 def _detached(h: FOut) -> FOut:

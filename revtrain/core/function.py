@@ -137,12 +137,18 @@ class _ReversibleRun(torch.autograd.Function):
         saved = _saved(ctx)
         ys = _output_state(ctx, saved)
         ctx.handoff = None  # used: free it
+        saved_extra = saved[ctx.n_outputs :]
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            # No second pass will read the kept output: let it die with the top layer's rebuild
+            # instead of at the end of the run (one full output less at the run's peak).
+            _release_output(ctx)
+        del saved
         if run.join_dim is None:
             dys: tuple[Tensor | None, ...] = grads
         else:
             dys = (None,) * run.n_state if grads[0] is None else grads[0].chunk(run.n_state, dim=run.join_dim)
         first_extra = 1 + run.n_state
-        extra = _live_extra(run, saved[ctx.n_outputs :], ctx.needs_input_grad[first_extra : first_extra + run.n_extra])
+        extra = _live_extra(run, saved_extra, ctx.needs_input_grad[first_extra : first_extra + run.n_extra])
 
         layers = run.layers
         n = len(layers)
@@ -151,12 +157,18 @@ class _ReversibleRun(torch.autograd.Function):
         checks = []
         need_first = any(ctx.needs_input_grad[1:first_extra])
         # Backward runs with grad mode off; the rebuild needs graphs.
+        # The state and its gradient travel as lists that a step may empty once it has taken
+        # what it needs (a coupling block drops y2 and dy1 before F's backward): the loop
+        # itself holds no reference to a tensor the step no longer needs.
+        state: list[Tensor] = list(ys)
+        grad_state: list[Tensor | None] = list(dys)
+        del ys, dys
         with torch.enable_grad(), ctx.autocast.context():
             for i in reversed(range(n)):
                 layer = layers[i]
                 with _as_in_forward(run, i):
                     result = layer.step_reverse(
-                        ys, dys, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
+                        state, grad_state, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
                     )
                 param_grads[i] = result.param_grads
                 if result.extra_grads:
@@ -170,10 +182,11 @@ class _ReversibleRun(torch.autograd.Function):
                             getattr(layer, "output_names", None),
                         )
                     )
-                ys, dys = result.inputs, result.grad_inputs
-        _hand_over(ctx, ys)
+                state, grad_state = list(result.inputs), list(result.grad_inputs)
+                del result
+        _hand_over(ctx, tuple(state))
         check_rebuilds(checks)
-        dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(dys))
+        dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]
         return (None, *dxs, *extra_grads, *flat)
 
@@ -182,6 +195,13 @@ def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     if a is None:
         return b
     return a if b is None else a + b
+
+
+def _release_output(ctx: Any) -> None:
+    """Drop this run's kept copy of its output (the backward has its own reference now)."""
+    for holder in kept_tensors(ctx.kept_refs)[: ctx.n_outputs]:
+        if holder is not None:
+            holder.drop()
 
 
 def _as_in_forward(run: _Run, i: int) -> contextlib.ExitStack:
