@@ -20,6 +20,7 @@ input of a layer is the output of the layer below and dies as soon as that layer
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,10 +175,10 @@ class _ReversibleRun(torch.autograd.Function):
                 if result.extra_grads:
                     extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
                 if ctx.prints[i] is not None:
-                    where = f"block {i} of a run of {n} M-mode blocks ({layer.describe()})"
                     checks.append(
                         RebuildCheck(
-                            layer, where, ctx.prints[i], fingerprint(result.inputs, ctx.layouts[i]),
+                            layer, functools.partial(_where, layer, i, n), ctx.prints[i],
+                            fingerprint(result.inputs, ctx.layouts[i]),
                             ctx.out_norms[i],
                             getattr(layer, "output_names", None),
                         )
@@ -195,6 +196,10 @@ def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     if a is None:
         return b
     return a if b is None else a + b
+
+
+def _where(layer: ReversibleStep, i: int, n: int) -> str:
+    return f"block {i} of a run of {n} M-mode blocks ({layer.describe()})"
 
 
 def _release_output(ctx: Any) -> None:
