@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ from torch import Tensor
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint, layout_of, norms
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
-from revtrain.core.replay import AutocastState, ModuleTensors, no_running_stat_updates
+from revtrain.core.replay import AutocastState, ModuleTensors
 from revtrain.core.step import ReversibleStep, State, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
 
@@ -167,10 +167,15 @@ class _ReversibleRun(torch.autograd.Function):
         with torch.enable_grad(), ctx.autocast.context():
             for i in reversed(range(n)):
                 layer = layers[i]
-                with _as_in_forward(run, i):
+                tensors = run.module_tensors[i]
+                swapped = tensors.enter() if tensors is not None else None  # as in the forward
+                try:
                     result = layer.step_reverse(
                         state, grad_state, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
                     )
+                finally:
+                    if tensors is not None:
+                        tensors.leave(swapped)  # type: ignore[arg-type]
                 param_grads[i] = result.param_grads
                 if result.extra_grads:
                     extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
@@ -209,17 +214,17 @@ def _release_output(ctx: Any) -> None:
             holder.drop()
 
 
-def _as_in_forward(run: _Run, i: int) -> contextlib.ExitStack:
+@contextlib.contextmanager
+def _as_in_forward(run: _Run, i: int) -> Iterator[None]:
     """The rebuild of layer ``i`` sees its modules as the forward did: same parameters and
     buffers (``functional_call``), norm statistics not updated a second time."""
-    module = owner_module(run.layers[i])
     tensors = run.module_tensors[i]
-    stack = contextlib.ExitStack()
-    if module is not None:
-        stack.enter_context(no_running_stat_updates(module))
-    if tensors is not None:
-        stack.enter_context(tensors.in_place())
-    return stack
+    swapped = tensors.enter() if tensors is not None else None
+    try:
+        yield
+    finally:
+        if tensors is not None:
+            tensors.leave(swapped)  # type: ignore[arg-type]
 
 
 def _live_extra(run: _Run, saved_extra: Sequence[Tensor], needs_grad: Sequence[bool]) -> ExtraArgs:
