@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.coupling import Coupling, CouplingLike, FOut, InverseCoupling, get_coupling
 from revtrain.core.function import check_state, run_reversible
+from revtrain.core.overlap import finish_phases
 from revtrain.core.invertible import (
     MODES,
     InverseStep,
@@ -264,6 +265,14 @@ class ReversibleBlock(Invertible):
     ) -> StepResult:
         return _couple_reverse(self.roles, ys, dys, record, params, need_input_grad, extra)
 
+    def reverse_phases(
+        self, ys: State, record: Any, params: Sequence[Tensor], need_input_grad: bool, extra: ExtraArgs = NO_ARGS
+    ) -> Generator[Any, Any, StepResult]:
+        """:meth:`step_reverse` in three phases (rebuild ``x2``; take ``dys``, rebuild ``x1``;
+        gradients), for a driver that overlaps the rebuild of the block below with this
+        block's gradients (``ReversibleSequence(..., overlap_rebuild=True)``)."""
+        return _couple_phases(self.roles, ys, record, params, need_input_grad, extra)
+
 
 class _BlockInverse(InverseStep):
     """A block's inverse as a reversible step: the block with ``F``/``G`` swapped, its
@@ -322,27 +331,54 @@ def _couple_reverse(
 
     ``G`` runs once on ``y1`` building its graph: ``x2 = c⁻¹(y2, G(y1))`` is rebuilt and
     ``dy2`` backpropagated through that graph; then ``F`` runs once on the rebuilt ``x2``
-    building its graph: ``x1 = c⁻¹(y1, F(x2))``, and ``dz1`` is backpropagated.
+    building its graph: ``x1 = c⁻¹(y1, F(x2))``, and ``dz1`` is backpropagated. The three
+    phases of :func:`_couple_phases`, one after the other.
+    """
+    phases = _couple_phases(roles, ys, record, params, need_input_grad, extra, build_g=dys[1] is not None)
+    next(phases)
+    phases.send(dys)
+    return finish_phases(phases)
+
+
+def _couple_phases(
+    roles: _Roles,
+    ys: State,
+    record: Any,
+    params: Sequence[Tensor],
+    need_input_grad: bool,
+    extra: ExtraArgs,
+    *,
+    build_g: bool = True,
+) -> Generator[Any, Any, StepResult]:
+    """Algorithm 1 in three phases, so that a driver can interleave the phases of two blocks
+    (PaReprop: rebuild the block below while this one computes gradients).
+
+    1. ``G`` forward on ``y1`` (with its graph when ``build_g``) and ``x2`` rebuilt; then it
+       yields and receives the output gradients ``dys``.
+    2. ``G``'s backward, ``F`` forward on ``x2`` and ``x1`` rebuilt; yields the rebuilt input.
+    3. ``F``'s backward; returns the :class:`StepResult`.
     """
     rng_f = record.rng_f if isinstance(record, _CouplingRecord) else None
     rng_g = record.rng_g if isinstance(record, _CouplingRecord) else None
     coupling = roles.coupling
     y1, y2 = ys
-    dy1, dy2 = dys
-    _consume(ys, dys)  # from here on, y2 and dy1 die as soon as this function is done with them
+    _consume(ys, ())  # from here on, y2 dies as soon as this function is done with it
     params = list(params)
     extra_wrt = [t for t in extra.tensors if t.requires_grad]
     n_params = len(params)
-    # A gradient of None means "this output was not used": like plain autograd, the
-    # functions that only feed it then get no gradient (None, not zeros), and their graph
-    # is not built.
-    z1 = y1.detach().requires_grad_(dy2 is not None)
-    with replay(rng_g), torch.set_grad_enabled(dy2 is not None):
+    z1 = y1.detach().requires_grad_(build_g)
+    with replay(rng_g), torch.set_grad_enabled(build_g):
         h_g = extra.call(roles.g, z1)
     h_g_value = _detached(h_g)
     with torch.no_grad():
         x2 = coupling.inverse(y2, h_g_value)
     del y2
+
+    dys = yield None
+    dy1, dy2 = dys
+    _consume((), dys)  # dy1 dies once added into dz1
+    # A gradient of None means "this output was not used": like plain autograd, the
+    # functions that only feed it then get no gradient (None, not zeros).
     dx2: Tensor | None = None
     grads: list[Tensor | None] = [None] * (n_params + len(extra_wrt))
     dz1 = dy1
@@ -363,6 +399,8 @@ def _couple_reverse(
     with torch.no_grad():
         x1 = coupling.inverse(z1.detach(), h_f_value)
     del y1, z1  # G's graph is gone: nothing reads the output half any more
+
+    yield (x1, x2.detach())
     dx1: Tensor | None = None
     if build_f:
         dx1, dh_f = coupling.vjp(x1, h_f_value, dz1)  # type: ignore[arg-type]

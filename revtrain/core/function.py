@@ -33,7 +33,8 @@ from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint, layout_of, norms
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.replay import AutocastState, ModuleTensors
-from revtrain.core.step import ReversibleStep, State, owner_module
+from revtrain.core.overlap import reverse_overlapped, supports_phases
+from revtrain.core.step import ReversibleStep, State, StepResult, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
 
 __all__ = ["run_reversible", "run_spec", "check_state"]
@@ -74,6 +75,8 @@ class _Run:
     extra: ExtraArgs
     n_extra: int
     module_tensors: tuple[ModuleTensors | None, ...]
+    overlap: bool = False
+    """Overlap each layer's gradients with the rebuild of the layer below (``core/overlap.py``)."""
 
     def state_of(self, outputs: Sequence[Tensor]) -> State:
         """The output state of the run from its output tensors."""
@@ -164,32 +167,50 @@ class _ReversibleRun(torch.autograd.Function):
         state: list[Tensor] = list(ys)
         grad_state: list[Tensor | None] = list(dys)
         del ys, dys
-        with torch.enable_grad(), ctx.autocast.context():
-            for i in reversed(range(n)):
+
+        def on_result(i: int, result: StepResult) -> None:
+            nonlocal extra_grads
+            param_grads[i] = result.param_grads
+            if result.extra_grads:
+                extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
+            if ctx.prints[i] is not None:
                 layer = layers[i]
-                tensors = run.module_tensors[i]
-                swapped = tensors.enter() if tensors is not None else None  # as in the forward
-                try:
-                    result = layer.step_reverse(
-                        state, grad_state, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
+                checks.append(
+                    RebuildCheck(
+                        layer, functools.partial(_where, layer, i, n), ctx.prints[i],
+                        fingerprint(result.inputs, ctx.layouts[i]),
+                        ctx.out_norms[i],
+                        getattr(layer, "output_names", None),
                     )
-                finally:
-                    if tensors is not None:
-                        tensors.leave(swapped)  # type: ignore[arg-type]
-                param_grads[i] = result.param_grads
-                if result.extra_grads:
-                    extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
-                if ctx.prints[i] is not None:
-                    checks.append(
-                        RebuildCheck(
-                            layer, functools.partial(_where, layer, i, n), ctx.prints[i],
-                            fingerprint(result.inputs, ctx.layouts[i]),
-                            ctx.out_norms[i],
-                            getattr(layer, "output_names", None),
+                )
+
+        with torch.enable_grad(), ctx.autocast.context():
+            if run.overlap and supports_phases(layers):
+                def start(i: int, ys: list[Tensor]) -> Any:
+                    return layers[i].reverse_phases(  # type: ignore[attr-defined]
+                        ys, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
+                    )
+
+                bottom = reverse_overlapped(
+                    n, start, functools.partial(_as_in_forward, run), state, grad_state, on_result
+                )
+                state, grad_state = list(bottom.inputs), list(bottom.grad_inputs)
+                del bottom
+            else:
+                for i in reversed(range(n)):
+                    layer = layers[i]
+                    tensors = run.module_tensors[i]
+                    swapped = tensors.enter() if tensors is not None else None  # as in the forward
+                    try:
+                        result = layer.step_reverse(
+                            state, grad_state, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
                         )
-                    )
-                state, grad_state = list(result.inputs), list(result.grad_inputs)
-                del result
+                    finally:
+                        if tensors is not None:
+                            tensors.leave(swapped)  # type: ignore[arg-type]
+                    on_result(i, result)
+                    state, grad_state = list(result.inputs), list(result.grad_inputs)
+                    del result
         _hand_over(ctx, tuple(state))
         check_rebuilds(checks)
         dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
@@ -351,6 +372,7 @@ def run_reversible(
     join_dim: int | None,
     extra: ExtraArgs = NO_ARGS,
     source: Any = None,
+    overlap: bool = False,
 ) -> Tensor | State:
     """Run consecutive M-mode layers on the state ``xs``.
 
@@ -362,6 +384,8 @@ def run_reversible(
         extra: Extra arguments for ``F`` and ``G`` of every layer.
         source: What the caller was called with, when ``xs`` is just ``layers[0].to_state`` of
             it: a run that produced exactly that is taken over (None: never).
+        overlap: Overlap each layer's gradients with the rebuild of the layer below
+            (``core/overlap.py``; layers without phases run one after the other).
     """
     if torch._C._are_functorch_transforms_active():
         raise ReversibilityError(
@@ -372,7 +396,7 @@ def run_reversible(
         )
     # Parameters are inputs of the function so that autograd routes their gradients; the
     # lists are collected once here and reused by backward.
-    run = run_spec(layers, len(xs), join_dim, extra)
+    run = run_spec(layers, len(xs), join_dim, extra, overlap)
     params = [p for plist in run.param_lists for p in plist]
     with keep_saved() as holders:
         out = _ReversibleRun.apply(run, *xs, *extra.tensors, *params)
@@ -384,7 +408,11 @@ def run_reversible(
 
 
 def run_spec(
-    layers: Sequence[ReversibleStep], n_state: int, join_dim: int | None = None, extra: ExtraArgs = NO_ARGS
+    layers: Sequence[ReversibleStep],
+    n_state: int,
+    join_dim: int | None = None,
+    extra: ExtraArgs = NO_ARGS,
+    overlap: bool = False,
 ) -> _Run:
     """The non-tensor first argument of ``_ReversibleRun.apply`` (the tensors follow: the
     state, the extra arguments' tensors, then every layer's ``step_params()``)."""
@@ -397,6 +425,7 @@ def run_spec(
         extra=extra,
         n_extra=len(extra.tensors),
         module_tensors=tuple(ModuleTensors.capture(m) if m is not None else None for m in owners),
+        overlap=overlap,
     )
 
 
