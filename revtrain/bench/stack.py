@@ -58,9 +58,9 @@ OURS: tuple[str, ...] = ("plain", "M", "C", "checkpoint")
 METHODS: tuple[str, ...] = OURS + PEERS
 """Every method the stack benchmark knows: ours, then the peer libraries (when installed)."""
 
-EXTRA_METHODS: tuple[str, ...] = ("M-nocheck", "M-exact", "M-chain")
-"""Variants of M-mode measured on request: without the rebuild check, with exact (fixed-point)
-couplings, and as standalone blocks chained on pairs instead of one ``ReversibleSequence``."""
+EXTRA_METHODS: tuple[str, ...] = ("M-nocheck", "M-check4", "M-exact", "M-chain")
+"""Variants of M-mode measured on request: without the rebuild check, with the check on one step
+in four (``check_every=4``), with exact (fixed-point) couplings, and as standalone blocks chained on pairs instead of one ``ReversibleSequence``."""
 
 
 class GradientMismatchError(RuntimeError):
@@ -263,6 +263,8 @@ def _build_models(depth: int, config: StackBenchConfig, device: torch.device) ->
             models[peer] = build_peer(peer, fgs)
     if "M-nocheck" in config.methods:
         models["M-nocheck"] = ReversibleSequence([ReversibleBlock(f, g, check_reconstruction=False) for f, g in fgs])
+    if "M-check4" in config.methods:
+        models["M-check4"] = ReversibleSequence([ReversibleBlock(f, g, check_every=4) for f, g in fgs])
     if "M-exact" in config.methods:
         models["M-exact"] = ReversibleSequence([ReversibleBlock(f, g, coupling="exact") for f, g in fgs])
     if "M-chain" in config.methods:

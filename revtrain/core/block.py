@@ -105,6 +105,8 @@ class ReversibleBlock(Invertible):
             ``drift_action="raise"``.
         drift_tolerance: Relative rebuild error allowed by that check.
         drift_action: ``"warn"`` or ``"raise"``.
+        check_every: Check on one M-mode forward in this many, staggered over the blocks of a
+            run (see :class:`~revtrain.core.Invertible`); 1 checks every rebuild.
 
     Call it on one tensor (split in halves along ``split_dim``, output concatenated) or on a
     pair ``block((x1, x2)) -> (y1, y2)``. Further arguments go to ``F`` and ``G``:
@@ -129,6 +131,7 @@ class ReversibleBlock(Invertible):
         check_reconstruction: bool = True,
         drift_tolerance: float = 1e-3,
         drift_action: Literal["warn", "raise"] = "warn",
+        check_every: int = 1,
     ) -> None:
         super().__init__(
             mode,
@@ -136,6 +139,7 @@ class ReversibleBlock(Invertible):
             check_reconstruction=check_reconstruction,
             drift_tolerance=drift_tolerance,
             drift_action=drift_action,
+            check_every=check_every,
         )
         if not isinstance(f, nn.Module) or not isinstance(g, nn.Module):
             raise TypeError(

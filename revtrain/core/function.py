@@ -98,12 +98,13 @@ class _ReversibleRun(torch.autograd.Function):
         prints: list[Tensor | None] = []
         layouts: list[Any] = []
         out_norms: list[Tensor | None] = []
+        due = [_check_due(layer, i) for i, layer in enumerate(layers)]
         for i, layer in enumerate(layers):
-            layouts.append(layout_of(xs) if layer.check_reconstruction else None)
-            prints.append(fingerprint(xs, layouts[-1]) if layer.check_reconstruction else None)
+            layouts.append(layout_of(xs) if due[i] else None)
+            prints.append(fingerprint(xs, layouts[-1]) if due[i] else None)
             xs, record = layer.step_forward(xs, extra)
             records.append(record)
-            next_checks = i + 1 < len(layers) and layers[i + 1].check_reconstruction
+            next_checks = i + 1 < len(layers) and due[i + 1]
             # A layer's output scale is the next layer's input fingerprint when there is one.
             out_norms.append(norms(xs) if prints[-1] is not None and not next_checks else None)
         for i in range(len(layers) - 1):
@@ -222,6 +223,19 @@ def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     if a is None:
         return b
     return a if b is None else a + b
+
+
+def _check_due(layer: ReversibleStep, i: int) -> bool:
+    """Whether layer ``i`` of a run checks its rebuild in this forward (see ``check_every``)."""
+    if not layer.check_reconstruction:
+        return False
+    every = getattr(layer, "check_every", 1)
+    if every == 1:
+        return True
+    holder = owner_module(layer) or layer  # the inverse of a block counts on the block
+    calls = holder.__dict__.get("_check_calls", 0)
+    holder.__dict__["_check_calls"] = calls + 1
+    return (calls + i) % every == 0
 
 
 def _where(layer: ReversibleStep, i: int, n: int) -> str:
