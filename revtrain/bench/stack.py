@@ -58,9 +58,12 @@ OURS: tuple[str, ...] = ("plain", "M", "C", "checkpoint")
 METHODS: tuple[str, ...] = OURS + PEERS
 """Every method the stack benchmark knows: ours, then the peer libraries (when installed)."""
 
-EXTRA_METHODS: tuple[str, ...] = ("M-nocheck", "M-exact", "M-chain")
-"""Variants of M-mode measured on request: without the rebuild check, with exact (fixed-point)
-couplings, and as standalone blocks chained on pairs instead of one ``ReversibleSequence``."""
+EXTRA_METHODS: tuple[str, ...] = ("M-nocheck", "M-check4", "M-exact", "M-chain", "M-overlap")
+"""Variants of M-mode measured on request: without the rebuild check, with the check on one step
+in four (``check_every=4``), with exact (fixed-point) couplings, as standalone blocks chained on
+pairs instead of one ``ReversibleSequence``, and with the rebuild of each block overlapped with
+the gradients of the block above (``overlap_rebuild=True``: a second CUDA stream; on the CPU
+the same schedule on one stream)."""
 
 
 class GradientMismatchError(RuntimeError):
@@ -263,8 +266,12 @@ def _build_models(depth: int, config: StackBenchConfig, device: torch.device) ->
             models[peer] = build_peer(peer, fgs)
     if "M-nocheck" in config.methods:
         models["M-nocheck"] = ReversibleSequence([ReversibleBlock(f, g, check_reconstruction=False) for f, g in fgs])
+    if "M-check4" in config.methods:
+        models["M-check4"] = ReversibleSequence([ReversibleBlock(f, g, check_every=4) for f, g in fgs])
     if "M-exact" in config.methods:
         models["M-exact"] = ReversibleSequence([ReversibleBlock(f, g, coupling="exact") for f, g in fgs])
+    if "M-overlap" in config.methods:  # PaReprop-style: rebuilds on a second CUDA stream
+        models["M-overlap"] = ReversibleSequence([ReversibleBlock(f, g) for f, g in fgs], overlap_rebuild=True)
     if "M-chain" in config.methods:
         models["M-chain"] = _PlainStack(nn.Sequential(*(ReversibleBlock(f, g) for f, g in fgs)))
     for model in models.values():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.coupling import Coupling, CouplingLike, FOut, InverseCoupling, get_coupling
 from revtrain.core.function import check_state, run_reversible
+from revtrain.core.overlap import finish_phases
 from revtrain.core.invertible import (
     MODES,
     InverseStep,
@@ -104,6 +105,8 @@ class ReversibleBlock(Invertible):
             ``drift_action="raise"``.
         drift_tolerance: Relative rebuild error allowed by that check.
         drift_action: ``"warn"`` or ``"raise"``.
+        check_every: Check on one M-mode forward in this many, staggered over the blocks of a
+            run (see :class:`~revtrain.core.Invertible`); 1 checks every rebuild.
 
     Call it on one tensor (split in halves along ``split_dim``, output concatenated) or on a
     pair ``block((x1, x2)) -> (y1, y2)``. Further arguments go to ``F`` and ``G``:
@@ -128,6 +131,7 @@ class ReversibleBlock(Invertible):
         check_reconstruction: bool = True,
         drift_tolerance: float = 1e-3,
         drift_action: Literal["warn", "raise"] = "warn",
+        check_every: int = 1,
     ) -> None:
         super().__init__(
             mode,
@@ -135,6 +139,7 @@ class ReversibleBlock(Invertible):
             check_reconstruction=check_reconstruction,
             drift_tolerance=drift_tolerance,
             drift_action=drift_action,
+            check_every=check_every,
         )
         if not isinstance(f, nn.Module) or not isinstance(g, nn.Module):
             raise TypeError(
@@ -264,6 +269,14 @@ class ReversibleBlock(Invertible):
     ) -> StepResult:
         return _couple_reverse(self.roles, ys, dys, record, params, need_input_grad, extra)
 
+    def reverse_phases(
+        self, ys: State, record: Any, params: Sequence[Tensor], need_input_grad: bool, extra: ExtraArgs = NO_ARGS
+    ) -> Generator[Any, Any, StepResult]:
+        """:meth:`step_reverse` in three phases (rebuild ``x2``; take ``dys``, rebuild ``x1``;
+        gradients), for a driver that overlaps the rebuild of the block below with this
+        block's gradients (``ReversibleSequence(..., overlap_rebuild=True)``)."""
+        return _couple_phases(self.roles, ys, record, params, need_input_grad, extra)
+
 
 class _BlockInverse(InverseStep):
     """A block's inverse as a reversible step: the block with ``F``/``G`` swapped, its
@@ -304,7 +317,8 @@ def _couple_forward(
     y1 = coupling.forward(x1, block.checked_call(roles.f, roles.f_name, x2, x1, extra))
     rng_g = RngState.capture(x1.device) if rng else None
     y2 = coupling.forward(x2, block.checked_call(roles.g, roles.g_name, y1, x2, extra))
-    coupling.check_range((y1, y2), block.describe())
+    if type(coupling).check_range is not Coupling.check_range:  # skip describe() where a no-op
+        coupling.check_range((y1, y2), block.describe())
     return (y1, y2), _CouplingRecord(rng_f, rng_g)
 
 
@@ -321,34 +335,65 @@ def _couple_reverse(
 
     ``G`` runs once on ``y1`` building its graph: ``x2 = c⁻¹(y2, G(y1))`` is rebuilt and
     ``dy2`` backpropagated through that graph; then ``F`` runs once on the rebuilt ``x2``
-    building its graph: ``x1 = c⁻¹(y1, F(x2))``, and ``dz1`` is backpropagated.
+    building its graph: ``x1 = c⁻¹(y1, F(x2))``, and ``dz1`` is backpropagated. The three
+    phases of :func:`_couple_phases`, one after the other.
+    """
+    phases = _couple_phases(roles, ys, record, params, need_input_grad, extra, build_g=dys[1] is not None)
+    next(phases)
+    phases.send(dys)
+    return finish_phases(phases)
+
+
+def _couple_phases(
+    roles: _Roles,
+    ys: State,
+    record: Any,
+    params: Sequence[Tensor],
+    need_input_grad: bool,
+    extra: ExtraArgs,
+    *,
+    build_g: bool = True,
+) -> Generator[Any, Any, StepResult]:
+    """Algorithm 1 in three phases, so that a driver can interleave the phases of two blocks
+    (PaReprop: rebuild the block below while this one computes gradients).
+
+    1. ``G`` forward on ``y1`` (with its graph when ``build_g``) and ``x2`` rebuilt; then it
+       yields and receives the output gradients ``dys``.
+    2. ``G``'s backward, ``F`` forward on ``x2`` and ``x1`` rebuilt; yields the rebuilt input.
+    3. ``F``'s backward; returns the :class:`StepResult`.
     """
     rng_f = record.rng_f if isinstance(record, _CouplingRecord) else None
     rng_g = record.rng_g if isinstance(record, _CouplingRecord) else None
     coupling = roles.coupling
     y1, y2 = ys
-    dy1, dy2 = dys
+    _consume(ys, ())  # from here on, y2 dies as soon as this function is done with it
     params = list(params)
     extra_wrt = [t for t in extra.tensors if t.requires_grad]
     n_params = len(params)
-    # A gradient of None means "this output was not used": like plain autograd, the
-    # functions that only feed it then get no gradient (None, not zeros), and their graph
-    # is not built.
-    z1 = y1.detach().requires_grad_(dy2 is not None)
-    with replay(rng_g), torch.set_grad_enabled(dy2 is not None):
+    z1 = y1.detach().requires_grad_(build_g)
+    with replay(rng_g), torch.set_grad_enabled(build_g):
         h_g = extra.call(roles.g, z1)
     h_g_value = _detached(h_g)
     with torch.no_grad():
         x2 = coupling.inverse(y2, h_g_value)
+    del y2
+
+    dys = yield None
+    dy1, dy2 = dys
+    _consume((), dys)  # dy1 dies once added into dz1
+    # A gradient of None means "this output was not used": like plain autograd, the
+    # functions that only feed it then get no gradient (None, not zeros).
     dx2: Tensor | None = None
     grads: list[Tensor | None] = [None] * (n_params + len(extra_wrt))
     dz1 = dy1
     if dy2 is not None:
         dx2, dh_g = coupling.vjp(x2, h_g_value, dy2)
+        del dy2
         dz1_g, *grads = autograd_grads([h_g], [z1, *params, *extra_wrt], [dh_g])
-        dz1 = dz1_g if dy1 is None else _add(dy1, dz1_g)
         del dh_g
-    del h_g, h_g_value
+        dz1 = dz1_g if dy1 is None else _add(dy1, dz1_g)
+        del dz1_g
+    del h_g, h_g_value, dy1
 
     build_f = dz1 is not None
     x2 = x2.detach().requires_grad_(need_input_grad and build_f)
@@ -357,6 +402,9 @@ def _couple_reverse(
     h_f_value = _detached(h_f)
     with torch.no_grad():
         x1 = coupling.inverse(z1.detach(), h_f_value)
+    del y1, z1  # G's graph is gone: nothing reads the output half any more
+
+    yield (x1, x2.detach())
     dx1: Tensor | None = None
     if build_f:
         dx1, dh_f = coupling.vjp(x1, h_f_value, dz1)  # type: ignore[arg-type]
@@ -396,6 +444,13 @@ def _explain_call_error(fn: nn.Module, fn_name: str, inp: Tensor, extra: ExtraAr
             f"everything after its input on to F and G. Give {fn_name}.forward those parameters, "
             "or call a block on a pair as block((x1, x2)), not block(x1, x2)"
         ) from err
+
+
+def _consume(ys: Sequence[Tensor], dys: Sequence[Tensor | None]) -> None:
+    """Empty the caller's state lists (M-mode's backward passes lists it no longer reads)."""
+    for items in (ys, dys):
+        if isinstance(items, list):
+            items.clear()
 
 
 def _detached(h: FOut) -> FOut:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -108,6 +108,9 @@ def _as_slabs(x: Tensor, k: int) -> Tensor:
 def _random_vectors(
     a: int, rows: int, length: int, dtype: torch.dtype, device: torch.device
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``u / sqrt(ROW_VECTORS)`` (``(2, L)``), ``s_A`` and ``sqrt(ROW_VECTORS) · s_R``: the
+    scale moved from the fold onto ``u`` makes ``‖W‖`` the norm estimate itself (one op fewer
+    per fingerprint), with the projections unchanged."""
     key = (a, rows, length, dtype, device)
     cached = _vectors.get(key)
     if cached is None:
@@ -115,7 +118,8 @@ def _random_vectors(
         u = _typical_sums(torch.randn(length, ROW_VECTORS, generator=gen, dtype=torch.float64)).T
         s_a = _typical_sums(torch.randn(a, _FOLD_A, generator=gen, dtype=torch.float64))
         s_r = _typical_sums(torch.randn(rows, _FOLD_R, generator=gen, dtype=torch.float64))
-        cached = tuple(t.to(device=device, dtype=dtype) for t in (u, s_a, s_r))  # type: ignore[assignment]
+        root = math.sqrt(ROW_VECTORS)
+        cached = tuple(t.to(device=device, dtype=dtype) for t in (u / root, s_a, s_r * root))  # type: ignore[assignment]
         _vectors[key] = cached  # type: ignore[assignment]
     return cached  # type: ignore[return-value]
 
@@ -133,25 +137,35 @@ def _typical_sums(vectors: Tensor) -> Tensor:
     return vectors - vectors.mean(dim=0, keepdim=True) + signs / math.sqrt(n)
 
 
-def _fingerprint_one(x: Tensor, k: int) -> Tensor:
+def _fold(ws: list[Tensor], s_a: Tensor, s_r: Tensor) -> Tensor:
+    """``(len(ws), 1 + PROJECTIONS)``: norm estimates and projections of same-shaped row
+    projections ``W`` (``(A, 2, R)`` each), folded together: a few ops per state rather than
+    per tensor (on small tensors the number of ops, not the data, is the check's cost)."""
+    w = torch.stack(ws) if len(ws) > 1 else ws[0].unsqueeze(0)  # (n, A, 2, R)
+    n, a, _, rows = w.shape
+    # Fold the rows with random vectors across A, then across R: (4, 2, 8) projections per
+    # tensor. Small matrix products (an einsum here cost several times the pass over the data).
+    across_a = torch.matmul(s_a.T, w.view(n, a, ROW_VECTORS * rows)).view(n, _FOLD_A * ROW_VECTORS, rows)
+    projections = torch.matmul(across_a, s_r).view(n, PROJECTIONS)
+    norm = torch.linalg.vector_norm(w.view(n, -1), dim=1, keepdim=True)
+    return torch.cat([norm, projections], dim=1)
+
+
+def _fingerprint_slabs(slabs: list[Tensor]) -> Tensor:
+    """Fingerprints of tensors seen as ``(A, R, L)`` slabs of one shape and dtype."""
+    a, rows, length = slabs[0].shape
+    u, s_a, s_r = _random_vectors(a, rows, length, slabs[0].dtype, slabs[0].device)
+    out = _fold([torch.matmul(u, x.transpose(1, 2)) for x in slabs], s_a, s_r)  # W: (A, 2, R) each
+    if a * rows < EXACT_NORM_ROWS:  # too few rows for the estimate: the exact norm
+        out[:, 0] = torch.stack([torch.linalg.vector_norm(x) for x in slabs])
+    return out.to(torch.float64)
+
+
+def _slabs(x: Tensor, k: int) -> Tensor:
     x = x.detach()
-    if x.numel() == 0:
-        return torch.zeros(1 + PROJECTIONS, dtype=torch.float64, device=x.device)
     slabs = _as_slabs(x, k)
-    if slabs.dtype in (torch.float16, torch.bfloat16):  # half-precision products round coarsely
-        slabs = slabs.float()
-    a, rows, length = slabs.shape
-    u, s_a, s_r = _random_vectors(a, rows, length, slabs.dtype, slabs.device)
-    w = torch.matmul(u, slabs.transpose(1, 2))  # (A, 2, R): every row against both vectors
-    # Fold the rows with random vectors across A, then across R: (4, 2, 8) projections. Two
-    # small matrix products (an einsum here cost several times the pass over the data).
-    across_a = (s_a.T @ w.reshape(a, ROW_VECTORS * rows)).reshape(_FOLD_A * ROW_VECTORS, rows)
-    projections = across_a @ s_r
-    if a * rows < EXACT_NORM_ROWS:
-        norm = torch.linalg.vector_norm(slabs)
-    else:
-        norm = torch.linalg.vector_norm(w) / math.sqrt(ROW_VECTORS)
-    return torch.cat([norm.reshape(1), projections.flatten()]).to(torch.float64)
+    # Half-precision products round coarsely.
+    return slabs.float() if slabs.dtype in (torch.float16, torch.bfloat16) else slabs
 
 
 def fingerprint(state: Sequence[Tensor], layout: Layout | None = None) -> Tensor:
@@ -163,7 +177,12 @@ def fingerprint(state: Sequence[Tensor], layout: Layout | None = None) -> Tensor
             Compare two fingerprints only when they were taken with the same layout.
     """
     layout = layout_of(state) if layout is None else layout
-    return torch.stack([_fingerprint_one(x, k) for x, k in zip(state, layout)])
+    slabs = [_slabs(x, k) for x, k in zip(state, layout)]
+    first = slabs[0]
+    if first.numel() and all(s.shape == first.shape and s.dtype == first.dtype for s in slabs):
+        return _fingerprint_slabs(slabs)
+    zeros = torch.zeros(1, 1 + PROJECTIONS, dtype=torch.float64, device=first.device)
+    return torch.cat([_fingerprint_slabs([s]) if s.numel() else zeros for s in slabs])
 
 
 def norms(state: Sequence[Tensor]) -> Tensor:
@@ -176,7 +195,7 @@ class RebuildCheck:
 
     Args:
         layer: Gives ``drift_tolerance`` and ``drift_action``.
-        where: Names the layer in messages.
+        where: Names the layer in messages (or a function that returns the name).
         before: Fingerprint of the forward's input.
         after: Fingerprint of the rebuilt input.
         output_norms: Norms of the layer's output in the forward (its scale and finiteness).
@@ -187,18 +206,23 @@ class RebuildCheck:
     def __init__(
         self,
         layer: object,
-        where: str,
+        where: str | Callable[[], str],
         before: Tensor,
         after: Tensor,
         output_norms: Tensor,
         output_names: Sequence[tuple[int, str]] | None = None,
     ) -> None:
         self.layer = layer
-        self.where = where
+        self._where = where
         self.before = before
         self.after = after
         self.output_norms = output_norms
         self.output_names = output_names
+
+    @property
+    def where(self) -> str:
+        """The layer named for messages (built only when a message needs it)."""
+        return self._where if isinstance(self._where, str) else self._where()
 
 
 def check_rebuilds(checks: Sequence[RebuildCheck]) -> list[float]:
@@ -212,23 +236,35 @@ def check_rebuilds(checks: Sequence[RebuildCheck]) -> list[float]:
     """
     if not checks:
         return []
-    packed = torch.cat(
-        [torch.cat([c.before.flatten(), c.after.flatten(), c.output_norms.flatten()]) for c in checks]
-    ).tolist()
-    errors: list[float] = []
-    over: list[tuple[float, RebuildCheck, str]] = []
-    offset = 0
-    for check in checks:
-        n_state, width = check.before.shape
-        size = n_state * width
-        before = [packed[offset + i * width : offset + (i + 1) * width] for i in range(n_state)]
-        after = [packed[offset + size + i * width : offset + size + (i + 1) * width] for i in range(n_state)]
-        out_norms = packed[offset + 2 * size : offset + 2 * size + check.output_norms.numel()]
-        offset += 2 * size + check.output_norms.numel()
-        drift, name = _check_one(check, before, after, out_norms)
-        errors.append(drift)
-        if drift > float(getattr(check.layer, "drift_tolerance")):
-            over.append((drift, check, name))
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for k, check in enumerate(checks):
+        key = (*check.before.shape, check.output_norms.numel())
+        groups.setdefault(key, []).append(k)
+    errors: list[float] = [math.nan] * len(checks)
+    names: list[str] = [""] * len(checks)
+    for members in groups.values():
+        # The arithmetic of every layer of the group in a few tensor ops; Python sees one row
+        # of four numbers per layer (the per-layer Python loop cost 5% of a small step).
+        summary = _summarise(
+            torch.stack([checks[k].before for k in members]),
+            torch.stack([checks[k].after for k in members]),
+            torch.stack([checks[k].output_norms.flatten().to(torch.float64) for k in members]),
+        ).tolist()
+        for k, (finite_before, finite_after, drift, which) in zip(members, summary):
+            if not finite_before:
+                continue  # the forward's input was not finite; the loss shows that already
+            if not finite_after:
+                check = checks[k]
+                before, after = check.before.tolist(), check.after.tolist()
+                _check_one(check, before, after, check.output_norms.flatten().tolist())  # raises
+            errors[k] = drift
+            n_state = checks[k].before.shape[0]
+            names[k] = f"x{int(which) + 1}" if n_state > 1 else "x"
+    over = [
+        (errors[k], check, names[k])
+        for k, check in enumerate(checks)
+        if errors[k] > float(getattr(check.layer, "drift_tolerance"))
+    ]
     if over:
         strict = [o for o in over if getattr(o[1].layer, "drift_action") == "raise"]
         message = _drift_message(max(strict or over, key=lambda o: o[0]), len(over), len(checks))
@@ -236,6 +272,26 @@ def check_rebuilds(checks: Sequence[RebuildCheck]) -> list[float]:
             raise ReconstructionError(message)
         warnings.warn(message, ReconstructionDriftWarning, stacklevel=3)
     return errors
+
+
+def _summarise(before: Tensor, after: Tensor, out_norms: Tensor) -> Tensor:
+    """Per layer: forward input finite, rebuild finite, largest relative error, its half.
+
+    ``before``/``after``: ``(layers, halves, 1 + PROJECTIONS)``; ``out_norms``: ``(layers, m)``.
+    The same arithmetic as :func:`_check_one`, which stays the reference for messages.
+    """
+    finite_before = torch.isfinite(before).flatten(1).all(dim=1)
+    finite_after = torch.isfinite(after).flatten(1).all(dim=1)
+    in_scale = before[..., 0].square().sum(dim=1).sqrt()
+    out_scale = out_norms.square().sum(dim=1).sqrt()
+    scale = torch.fmax(in_scale, out_scale)  # fmax: a non-finite output norm does not poison it
+    error = (after[..., 1:] - before[..., 1:]).square().mean(dim=-1).sqrt()
+    denominator = torch.fmax(before[..., 0], FLOOR * scale[:, None])
+    # Input and output exactly zero: any rebuilt value is wrong.
+    zero = torch.where(error > 0, math.inf, 0.0).to(error.dtype)
+    drift = torch.where(denominator == 0, zero, error / torch.where(denominator == 0, 1.0, denominator))
+    worst, which = drift.max(dim=1)
+    return torch.stack([finite_before.to(worst.dtype), finite_after.to(worst.dtype), worst, which.to(worst.dtype)], dim=1)
 
 
 def _check_one(

@@ -20,8 +20,9 @@ input of a layer is the output of the layer below and dies as soon as that layer
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,9 +32,10 @@ from torch import Tensor
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint, layout_of, norms
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
-from revtrain.core.replay import AutocastState, ModuleTensors, no_running_stat_updates
+from revtrain.core.overlap import reverse_overlapped, supports_phases
+from revtrain.core.replay import AutocastState, ModuleTensors
 from revtrain.core.sharding import unsharded
-from revtrain.core.step import ReversibleStep, State, owner_module
+from revtrain.core.step import ReversibleStep, State, StepResult, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
 
 __all__ = ["run_reversible", "run_spec", "check_state"]
@@ -74,6 +76,8 @@ class _Run:
     extra: ExtraArgs
     n_extra: int
     module_tensors: tuple[ModuleTensors | None, ...]
+    overlap: bool = False
+    """Overlap each layer's gradients with the rebuild of the layer below (``core/overlap.py``)."""
 
     def state_of(self, outputs: Sequence[Tensor]) -> State:
         """The output state of the run from its output tensors."""
@@ -95,12 +99,13 @@ class _ReversibleRun(torch.autograd.Function):
         prints: list[Tensor | None] = []
         layouts: list[Any] = []
         out_norms: list[Tensor | None] = []
+        due = [_check_due(layer, i) for i, layer in enumerate(layers)]
         for i, layer in enumerate(layers):
-            layouts.append(layout_of(xs) if layer.check_reconstruction else None)
-            prints.append(fingerprint(xs, layouts[-1]) if layer.check_reconstruction else None)
+            layouts.append(layout_of(xs) if due[i] else None)
+            prints.append(fingerprint(xs, layouts[-1]) if due[i] else None)
             xs, record = layer.step_forward(xs, extra)
             records.append(record)
-            next_checks = i + 1 < len(layers) and layers[i + 1].check_reconstruction
+            next_checks = i + 1 < len(layers) and due[i + 1]
             # A layer's output scale is the next layer's input fingerprint when there is one.
             out_norms.append(norms(xs) if prints[-1] is not None and not next_checks else None)
         for i in range(len(layers) - 1):
@@ -138,12 +143,18 @@ class _ReversibleRun(torch.autograd.Function):
         saved = _saved(ctx)
         ys = _output_state(ctx, saved)
         ctx.handoff = None  # used: free it
+        saved_extra = saved[ctx.n_outputs :]
+        if not torch._C._autograd._get_current_graph_task_keep_graph():
+            # No second pass will read the kept output: let it die with the top layer's rebuild
+            # instead of at the end of the run (one full output less at the run's peak).
+            _release_output(ctx)
+        del saved
         if run.join_dim is None:
             dys: tuple[Tensor | None, ...] = grads
         else:
             dys = (None,) * run.n_state if grads[0] is None else grads[0].chunk(run.n_state, dim=run.join_dim)
         first_extra = 1 + run.n_state
-        extra = _live_extra(run, saved[ctx.n_outputs :], ctx.needs_input_grad[first_extra : first_extra + run.n_extra])
+        extra = _live_extra(run, saved_extra, ctx.needs_input_grad[first_extra : first_extra + run.n_extra])
 
         layers = run.layers
         n = len(layers)
@@ -152,29 +163,62 @@ class _ReversibleRun(torch.autograd.Function):
         checks = []
         need_first = any(ctx.needs_input_grad[1:first_extra])
         # Backward runs with grad mode off; the rebuild needs graphs.
-        with torch.enable_grad(), ctx.autocast.context():
-            for i in reversed(range(n)):
+        # The state and its gradient travel as lists that a step may empty once it has taken
+        # what it needs (a coupling block drops y2 and dy1 before F's backward): the loop
+        # itself holds no reference to a tensor the step no longer needs.
+        state: list[Tensor] = list(ys)
+        grad_state: list[Tensor | None] = list(dys)
+        del ys, dys
+
+        def on_result(i: int, result: StepResult) -> None:
+            nonlocal extra_grads
+            param_grads[i] = result.param_grads
+            if result.extra_grads:
+                extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
+            if ctx.prints[i] is not None:
                 layer = layers[i]
-                with _as_in_forward(run, i):
-                    result = layer.step_reverse(
-                        ys, dys, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
+                checks.append(
+                    RebuildCheck(
+                        layer, functools.partial(_where, layer, i, n), ctx.prints[i],
+                        fingerprint(result.inputs, ctx.layouts[i]),
+                        ctx.out_norms[i],
+                        getattr(layer, "output_names", None),
                     )
-                param_grads[i] = result.param_grads
-                if result.extra_grads:
-                    extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
-                if ctx.prints[i] is not None:
-                    where = f"block {i} of a run of {n} M-mode blocks ({layer.describe()})"
-                    checks.append(
-                        RebuildCheck(
-                            layer, where, ctx.prints[i], fingerprint(result.inputs, ctx.layouts[i]),
-                            ctx.out_norms[i],
-                            getattr(layer, "output_names", None),
-                        )
+                )
+
+        with torch.enable_grad(), ctx.autocast.context():
+            if run.overlap and supports_phases(layers):
+                def start(i: int, ys: list[Tensor]) -> Any:
+                    return layers[i].reverse_phases(  # type: ignore[attr-defined]
+                        ys, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
                     )
-                ys, dys = result.inputs, result.grad_inputs
-        _hand_over(ctx, ys)
+
+                bottom = reverse_overlapped(
+                    n, start, functools.partial(_as_in_forward, run), state, grad_state, on_result
+                )
+                state, grad_state = list(bottom.inputs), list(bottom.grad_inputs)
+                del bottom
+            else:
+                for i in reversed(range(n)):
+                    layer = layers[i]
+                    tensors = run.module_tensors[i]
+                    # As in the forward: FSDP2-sharded layers whole (core/sharding.py), the
+                    # forward's parameters and buffers, norm statistics frozen.
+                    with unsharded(layers[i : i + 1]):
+                        swapped = tensors.enter() if tensors is not None else None
+                        try:
+                            result = layer.step_reverse(
+                                state, grad_state, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
+                            )
+                        finally:
+                            if tensors is not None:
+                                tensors.leave(swapped)  # type: ignore[arg-type]
+                    on_result(i, result)
+                    state, grad_state = list(result.inputs), list(result.grad_inputs)
+                    del result
+        _hand_over(ctx, tuple(state))
         check_rebuilds(checks)
-        dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(dys))
+        dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]
         return (None, *dxs, *extra_grads, *flat)
 
@@ -185,19 +229,43 @@ def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return a if b is None else a + b
 
 
-def _as_in_forward(run: _Run, i: int) -> contextlib.ExitStack:
+def _check_due(layer: ReversibleStep, i: int) -> bool:
+    """Whether layer ``i`` of a run checks its rebuild in this forward (see ``check_every``)."""
+    if not layer.check_reconstruction:
+        return False
+    every = getattr(layer, "check_every", 1)
+    if every == 1:
+        return True
+    holder = owner_module(layer) or layer  # the inverse of a block counts on the block
+    calls = holder.__dict__.get("_check_calls", 0)
+    holder.__dict__["_check_calls"] = calls + 1
+    return (calls + i) % every == 0
+
+
+def _where(layer: ReversibleStep, i: int, n: int) -> str:
+    return f"block {i} of a run of {n} M-mode blocks ({layer.describe()})"
+
+
+def _release_output(ctx: Any) -> None:
+    """Drop this run's kept copy of its output (the backward has its own reference now)."""
+    for holder in kept_tensors(ctx.kept_refs)[: ctx.n_outputs]:
+        if holder is not None:
+            holder.drop()
+
+
+@contextlib.contextmanager
+def _as_in_forward(run: _Run, i: int) -> Iterator[None]:
     """The rebuild of layer ``i`` sees its modules as the forward did: same parameters and
     buffers (``functional_call``), norm statistics not updated a second time."""
-    module = owner_module(run.layers[i])
     tensors = run.module_tensors[i]
-    stack = contextlib.ExitStack()
     # FSDP2-sharded layers are made whole first (core/sharding.py), as the forward saw them.
-    stack.enter_context(unsharded(run.layers[i : i + 1]))
-    if module is not None:
-        stack.enter_context(no_running_stat_updates(module))
-    if tensors is not None:
-        stack.enter_context(tensors.in_place())
-    return stack
+    with unsharded(run.layers[i : i + 1]):
+        swapped = tensors.enter() if tensors is not None else None
+        try:
+            yield
+        finally:
+            if tensors is not None:
+                tensors.leave(swapped)  # type: ignore[arg-type]
 
 
 def _live_extra(run: _Run, saved_extra: Sequence[Tensor], needs_grad: Sequence[bool]) -> ExtraArgs:
@@ -324,6 +392,7 @@ def run_reversible(
     join_dim: int | None,
     extra: ExtraArgs = NO_ARGS,
     source: Any = None,
+    overlap: bool = False,
 ) -> Tensor | State:
     """Run consecutive M-mode layers on the state ``xs``.
 
@@ -335,6 +404,8 @@ def run_reversible(
         extra: Extra arguments for ``F`` and ``G`` of every layer.
         source: What the caller was called with, when ``xs`` is just ``layers[0].to_state`` of
             it: a run that produced exactly that is taken over (None: never).
+        overlap: Overlap each layer's gradients with the rebuild of the layer below
+            (``core/overlap.py``; layers without phases run one after the other).
     """
     if torch._C._are_functorch_transforms_active():
         raise ReversibilityError(
@@ -347,7 +418,7 @@ def run_reversible(
     # lists are collected once here and reused by backward. FSDP2-sharded layers are made
     # whole first, so the lists hold the parameters F and G really use (core/sharding.py).
     with unsharded(layers):
-        run = run_spec(layers, len(xs), join_dim, extra)
+        run = run_spec(layers, len(xs), join_dim, extra, overlap)
         params = [p for plist in run.param_lists for p in plist]
         with keep_saved() as holders:
             out = _ReversibleRun.apply(run, *xs, *extra.tensors, *params)
@@ -359,7 +430,11 @@ def run_reversible(
 
 
 def run_spec(
-    layers: Sequence[ReversibleStep], n_state: int, join_dim: int | None = None, extra: ExtraArgs = NO_ARGS
+    layers: Sequence[ReversibleStep],
+    n_state: int,
+    join_dim: int | None = None,
+    extra: ExtraArgs = NO_ARGS,
+    overlap: bool = False,
 ) -> _Run:
     """The non-tensor first argument of ``_ReversibleRun.apply`` (the tensors follow: the
     state, the extra arguments' tensors, then every layer's ``step_params()``)."""
@@ -372,6 +447,7 @@ def run_spec(
         extra=extra,
         n_extra=len(extra.tensors),
         module_tensors=tuple(ModuleTensors.capture(m) if m is not None else None for m in owners),
+        overlap=overlap,
     )
 
 

@@ -107,6 +107,12 @@ class Invertible(nn.Module, abc.ABC):
             ``drift_tolerance`` warns, or raises when ``drift_action="raise"``.
         drift_tolerance: Relative rebuild error allowed by that check.
         drift_action: ``"warn"`` or ``"raise"``.
+        check_every: Check the rebuild on one M-mode forward in this many (1: every one). In a
+            run of layers, layer ``i`` checks when ``(calls + i) % check_every == 0``, so each
+            step checks a different ``1/check_every`` of the layers and every layer is checked
+            every ``check_every`` steps: the check's cost (one extra read of each input and
+            rebuild, see docs/core.md) divided by ``check_every``, a persistent drift reported
+            within ``check_every`` steps.
     """
 
     def __init__(
@@ -117,10 +123,16 @@ class Invertible(nn.Module, abc.ABC):
         check_reconstruction: bool = True,
         drift_tolerance: float = 1e-3,
         drift_action: Literal["warn", "raise"] = "warn",
+        check_every: int = 1,
     ) -> None:
         super().__init__()
         if drift_action not in ("warn", "raise"):
             raise ValueError(f"drift_action must be 'warn' or 'raise', got {drift_action!r}")
+        if not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(
+                f"check_every must be a positive integer (1: check every rebuild), got {check_every!r}"
+            )
+        self.check_every = check_every
         self.mode = mode
         self.preserve_rng_state = preserve_rng_state
         self.check_reconstruction = check_reconstruction
@@ -229,6 +241,10 @@ class InverseStep:
     @property
     def drift_action(self) -> str:
         return self.module.drift_action
+
+    @property
+    def check_every(self) -> int:
+        return getattr(self.module, "check_every", 1)
 
     def step_params(self) -> list[Tensor]:
         return self.module.step_params()

@@ -118,18 +118,47 @@ def no_running_stat_updates(*modules: nn.Module) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class ModuleTensors:
-    """The parameters and buffers every submodule of a module held when the forward ran."""
+    """The parameters and buffers every submodule of a module held when the forward ran, and
+    the norm layers that updated running statistics in it (found in the same walk, so that
+    backward does not walk the modules again)."""
 
     entries: tuple[tuple[dict[str, Any], str, Tensor | None], ...]
     """``(module._parameters or module._buffers, name, tensor)`` for each tensor."""
+    stat_norms: tuple[_NormBase, ...] = ()
+    """Norm layers in training mode that track running statistics (the rebuild must not)."""
 
     @classmethod
     def capture(cls, module: nn.Module) -> ModuleTensors:
         entries = []
+        norms = []
         for m in module.modules():
             entries.extend((m._parameters, name, t) for name, t in m._parameters.items())
             entries.extend((m._buffers, name, t) for name, t in m._buffers.items())
-        return cls(tuple(entries))
+            if isinstance(m, _NormBase) and m.training and m.track_running_stats:
+                norms.append(m)
+        return cls(tuple(entries), tuple(norms))
+
+    def enter(self) -> list[tuple[dict[str, Any], str, Any]]:
+        """Put the recorded tensors back in the modules (usually a no-op: nothing was swapped
+        since the forward) and stop the norm layers' statistics updates; returns what
+        :meth:`leave` undoes. A pair of calls rather than a context manager: this runs for
+        every layer of every backward."""
+        swapped = []
+        for d, name, t in self.entries:
+            now = d.get(name)
+            if now is not t:
+                swapped.append((d, name, now))
+                d[name] = t
+        for m in self.stat_norms:
+            m.__dict__["track_running_stats"] = False  # a plain attribute: skip Module.__setattr__
+        return swapped
+
+    def leave(self, swapped: list[tuple[dict[str, Any], str, Any]]) -> None:
+        """Undo :meth:`enter`."""
+        for m in self.stat_norms:
+            m.__dict__["track_running_stats"] = True
+        for d, name, now in swapped:
+            d[name] = now
 
     @contextlib.contextmanager
     def in_place(self) -> Iterator[None]:

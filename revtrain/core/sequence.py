@@ -32,14 +32,20 @@ class ReversibleSequence(nn.Module):
     Args:
         *blocks: ``ReversibleBlock`` instances, or a single iterable of them. All must share
             ``split_dim`` (the sequence splits and concatenates along it).
+        overlap_rebuild: In M-mode backward, rebuild block ``i-1`` while block ``i`` computes
+            its gradients (PaReprop; ``core/overlap.py``): on CUDA the rebuild runs on a second
+            stream, which pays where kernels leave the GPU idle, for one more ``G`` graph of
+            memory; elsewhere the same schedule runs on one stream (no gain: leave it off on a
+            CPU). Gradients are identical either way.
     """
 
     check_reconstruction = False  # each block checks its own rebuild
     drift_tolerance = float("inf")
     drift_action = "warn"
 
-    def __init__(self, *blocks: ReversibleBlock | Iterable[ReversibleBlock]) -> None:
+    def __init__(self, *blocks: ReversibleBlock | Iterable[ReversibleBlock], overlap_rebuild: bool = False) -> None:
         super().__init__()
+        self.overlap_rebuild = bool(overlap_rebuild)
         if len(blocks) == 1 and not isinstance(blocks[0], nn.Module):
             blocks = tuple(blocks[0])  # type: ignore[arg-type]
         if not blocks:
@@ -101,10 +107,10 @@ class ReversibleSequence(nn.Module):
             steps = [b.inverse_step() if inverse else b for b in blocks[i:j]]
             if j == n and not pair:
                 # The last run concatenates inside the function: one saved copy of the output.
-                out = run_reversible(steps, xs, self.split_dim, extra, source)
+                out = run_reversible(steps, xs, self.split_dim, extra, source, self.overlap_rebuild)
                 blocks[j - 1].coupling.mark_output(out)
                 return out
-            source = run_reversible(steps, xs, None, extra, source)
+            source = run_reversible(steps, xs, None, extra, source, self.overlap_rebuild)
             blocks[j - 1].coupling.mark_output(source)
             xs = source
             i = j

@@ -141,7 +141,7 @@ def autograd_grads(
         for o, d in pairs:
             if o.requires_grad and d is not None:
                 outs.append(o)
-                douts.append(d.to(o.dtype))
+                douts.append(d if d.dtype == o.dtype else d.to(o.dtype))
     if not outs or not inputs:
         return [None] * len(inputs)
     return list(torch.autograd.grad(outs, list(inputs), douts, allow_unused=True))

@@ -221,3 +221,54 @@ def test_rebuilt_contiguous_halves_compare_with_strided_originals(split_dim, sha
     with warnings.catch_warnings():
         warnings.simplefilter("error", ReconstructionDriftWarning)
         seq(torch.randn(shape, requires_grad=True)).square().sum().backward()
+
+
+def test_check_every_samples_the_layers_staggered_and_covers_each_in_turn(monkeypatch):
+    """``check_every=2``: each step fingerprints half of a run's blocks (forward and rebuild),
+    alternating, so two steps check every block once."""
+    import revtrain.core.function as function
+
+    seen: list[int] = []
+    original = function.fingerprint
+
+    def counting(state, layout=None):
+        seen.append(state[0].shape[0])
+        return original(state, layout)
+
+    monkeypatch.setattr(function, "fingerprint", counting)
+    torch.manual_seed(0)
+    model = make_stack(4, check_every=2)
+    checked = []
+    for _ in range(2):
+        seen.clear()
+        model(torch.randn(2, 8, 4, 4)).square().sum().backward()
+        checked.append(len(seen))
+        assert [b.__dict__["_check_calls"] for b in model] == [len(checked)] * 4
+    assert checked == [4, 4]  # 2 blocks x (forward + rebuild) per step
+    with pytest.raises(ValueError, match="check_every"):
+        make_stack(1, check_every=0)
+
+
+class _Drifting(nn.Module):
+    """An F whose rebuild call returns 1/1.1 of what its forward call returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return torch.tanh(x) * (1.1 if self.calls % 2 else 1.0)
+
+
+def test_check_every_still_reports_a_drifting_rebuild_within_that_many_steps():
+    torch.manual_seed(0)
+    block = ReversibleBlock(_Drifting(), nn.Identity(), check_every=3, drift_action="raise")
+    raised = []
+    for _ in range(6):
+        try:
+            block(torch.randn(2, 8, requires_grad=True)).sum().backward()
+            raised.append(False)
+        except ReconstructionError:
+            raised.append(True)
+    assert raised == [True, False, False, True, False, False]
