@@ -7,14 +7,14 @@
 #     OUT=/tmp/cuda bash benchmarks/cuda_session.sh tests core # only some parts
 #
 # Parts: tests (the CUDA-only tests and the core's suite on CUDA), core (core_peers + core_stack
-# with the overlap), zoo, transformer, planner, compile. Results go to $OUT/cuda/ and, packed, to
+# with the overlap), tf32 (core_stack with TF32 off), zoo, transformer, planner, compile. Results go to $OUT/cuda/ and, packed, to
 # $OUT/cuda_results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 R="${OUT:-results}/cuda"
 mkdir -p "$R"
-parts="${*:-tests core zoo transformer planner compile}"
+parts="${*:-tests core tf32 zoo transformer planner compile}"
 want() { [[ " $parts " == *" $1 "* ]]; }
 say() { echo "=== $* ($(date -u +%H:%M:%S))"; }
 
@@ -39,6 +39,16 @@ if want core; then
   say core_stack
   python3 benchmarks/core_stack.py --device cuda --methods plain M C checkpoint M-nocheck M-overlap \
     --with-peers --out "$R/core_stack_cuda"
+fi
+if want tf32; then
+  # The same stack with TF32 off for convolutions and matrix products (PyTorch enables it for
+  # cuDNN convolutions by default): does the rebuild drift come from TF32's input rounding?
+  say core_stack without TF32
+  python3 -c "import runpy, sys, torch
+torch.backends.cudnn.allow_tf32 = False; torch.backends.cuda.matmul.allow_tf32 = False
+sys.argv = ['benchmarks/core_stack.py', '--device', 'cuda', '--methods', 'plain', 'M', 'M-nocheck', 'M-check4',
+            'revlib', 'revtorch', '--depths', '8', '32', '--out', '$R/core_stack_cuda_no_tf32']
+runpy.run_path('benchmarks/core_stack.py', run_name='__main__')"
 fi
 if want zoo; then
   say zoo_modes

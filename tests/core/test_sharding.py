@@ -14,6 +14,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch import nn
 
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes
@@ -43,10 +44,12 @@ def test_m_mode_sequence_under_fully_shard_matches_plain_autograd(group_of_one, 
     set_modes(model, "M")
     plain = copy.deepcopy(model)
     set_modes(plain, "C")
+    # A CPU mesh, named: on a machine with a GPU, FSDP2 would otherwise put the shards on CUDA.
+    mesh = init_device_mesh("cpu", (1,))
     if per_block:
         for block in model[1].blocks:
-            fsdp.fully_shard(block)
-    fsdp.fully_shard(model)
+            fsdp.fully_shard(block, mesh=mesh)
+    fsdp.fully_shard(model, mesh=mesh)
     x = torch.randn(5, 6, dtype=torch.float64)
     model(x).square().sum().backward()
     plain(x).square().sum().backward()
