@@ -329,7 +329,26 @@ def _drift_message(worst: tuple[float, RebuildCheck, str], count: int, total: in
         f"(relative error of input {name}, estimated from {PROJECTIONS} random projections) "
         f"> drift_tolerance={tolerance:g}{others}; gradients may be inaccurate. "
         "Use float64, fewer consecutive M-mode layers, C-mode for this layer, or an exact "
-        "coupling (coupling='exact'); raise drift_tolerance to accept it"
+        "coupling (coupling='exact'); raise drift_tolerance to accept it" + _tf32_hint(check.before)
+    )
+
+
+def _tf32_hint(fingerprint: Tensor) -> str:
+    """On CUDA with TF32 allowed, name it: TF32 rounds what F and G read to 10 mantissa bits, so
+    a rebuilt input that differs from the forward's in the last float32 bits can round to
+    another TF32 value. On an H100, float32 stacks (revtrain's and the peer libraries' alike)
+    showed 10-20x the CPU's gradient error with PyTorch's default settings
+    (results/core_stack_cuda_h100.md)."""
+    if not fingerprint.is_cuda:
+        return ""
+    on = [name for name, flag in (("torch.backends.cudnn.allow_tf32", torch.backends.cudnn.allow_tf32),
+                                  ("torch.backends.cuda.matmul.allow_tf32", torch.backends.cuda.matmul.allow_tf32))
+          if flag]
+    if not on:
+        return ""
+    return (
+        f". TF32 is allowed ({' and '.join(on)} is True): it rounds the inputs of F and G to 10 "
+        "mantissa bits, which can magnify rebuild errors; set it to False for M-mode training"
     )
 
 
