@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-LM = "--dataset text --optimizer adamw --lr 3e-3 --grad-clip 1 --batch-size 32 --epochs 1 --max-steps-per-epoch 600"
+LM = "--dataset text --optimizer adamw --lr 3e-3 --grad-clip 1 --warmup-epochs 0.1 --batch-size 32 --epochs 1 --max-steps-per-epoch 600"
 RUNS: dict[str, str] = {
     "digits-revnet38": "revtrain train",
     "digits-resnet32": "revtrain train --model resnet32",
