@@ -11,8 +11,9 @@ Layout of ``<run>/checkpoints/``::
     stage0-epoch3.pt  stage1-epoch3.pt  ...   one per stage, written by that stage's process
     latest.json                               {"epoch": 3, "num_stages": 2, "files": [...]}
 
-Every file is written to a temporary name and renamed (atomic on POSIX), and the manifest is
-written last, once every stage's file exists, so a run killed at any moment resumes from the
+Every stage file is a revtrain checkpoint (:func:`revtrain.train.checkpoint.save_checkpoint`:
+format version and SHA-256 checksum, written to a temporary name and renamed, atomic on POSIX);
+reading one checks its checksum and that its weights are finite. The manifest is written last, once every stage's file exists, so a run killed at any moment resumes from the
 last complete epoch. The files of the previous epoch are removed after the manifest moved on.
 The simulator and the multi-process engine write and read the same files, so a run can be
 continued by either.
@@ -25,9 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from revtrain.parallel.errors import PipelineConfigError
+from revtrain.train.checkpoint import NonFiniteCheckpointError, load_checkpoint, non_finite_entries, save_checkpoint
 
 __all__ = ["stage_file", "save_stage", "write_manifest", "read_manifest", "load_stage", "prune"]
 
@@ -43,10 +43,7 @@ def save_stage(directory: str | os.PathLike[str], stage: int, epoch: int, state:
     """Write one stage's state atomically; returns the file."""
     path = stage_file(directory, stage, epoch)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save({"epoch": epoch, "stage": stage, **state}, tmp)
-    os.replace(tmp, path)
-    return path
+    return save_checkpoint({"epoch": epoch, "stage": stage, **state}, path)
 
 
 def write_manifest(directory: str | os.PathLike[str], epoch: int, num_stages: int) -> None:
@@ -73,6 +70,7 @@ def load_stage(directory: str | os.PathLike[str], stage: int, num_stages: int) -
 
     Raises:
         PipelineConfigError: the checkpoint was written for another number of stages.
+        CheckpointError: a stage file is damaged (checksum), of another format, or not finite.
     """
     manifest = read_manifest(directory)
     if manifest is None:
@@ -83,7 +81,14 @@ def load_stage(directory: str | os.PathLike[str], stage: int, num_stages: int) -
             "resume with the same number of stages and split"
         )
     path = stage_file(directory, stage, manifest["epoch"])
-    return torch.load(path, map_location="cpu", weights_only=False)
+    state = load_checkpoint(path)  # format, checksum, finite optimizer state
+    bad = non_finite_entries(state.get("units"))
+    if bad:
+        raise NonFiniteCheckpointError(
+            f"stage checkpoint {path} holds NaN or infinite weights ({', '.join(bad[:3])}): it was saved "
+            "from a run that diverged; resume from an earlier run or start afresh with a lower --lr"
+        )
+    return state
 
 
 def prune(directory: str | os.PathLike[str], stage: int, keep_epoch: int) -> None:
