@@ -341,15 +341,25 @@ def _tf32_hint(fingerprint: Tensor) -> str:
     (results/core_stack_cuda_h100.md)."""
     if not fingerprint.is_cuda:
         return ""
-    on = [name for name, flag in (("torch.backends.cudnn.allow_tf32", torch.backends.cudnn.allow_tf32),
-                                  ("torch.backends.cuda.matmul.allow_tf32", torch.backends.cuda.matmul.allow_tf32))
-          if flag]
+    on = [name for name, flag in _tf32_flags() if flag]
     if not on:
         return ""
     return (
         f". TF32 is allowed ({' and '.join(on)} is True): it rounds the inputs of F and G to 10 "
         "mantissa bits, which can magnify rebuild errors; set it to False for M-mode training"
     )
+
+
+def _tf32_flags() -> list[tuple[str, bool]]:
+    """PyTorch's two TF32 switches and their values (False where a build lacks one)."""
+    flags = []
+    for name, owner, attr in (("torch.backends.cudnn.allow_tf32", torch.backends.cudnn, "allow_tf32"),
+                              ("torch.backends.cuda.matmul.allow_tf32", torch.backends.cuda.matmul, "allow_tf32")):
+        try:
+            flags.append((name, bool(getattr(owner, attr))))
+        except (AttributeError, RuntimeError):
+            flags.append((name, False))
+    return flags
 
 
 def _non_finite_message(check: RebuildCheck, bad: str, out_norms: list[float]) -> str:

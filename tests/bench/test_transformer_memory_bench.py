@@ -44,7 +44,9 @@ def test_results_files_hold_every_row(result):
         (d, m) for d in (1, 3) for m in ("plain", "checkpoint", "C", "M")]
     methods = [r["method"] for r in data["seq_rows"] if r["seq_len"] == 16]
     assert methods[:5] == ["plain", "checkpoint", "C", "M", "M-chunked"]
-    assert ("reformer" in methods) == data["anchor"].startswith("reformer-pytorch ")
+    installed = importlib.util.find_spec("reformer_pytorch") is not None
+    assert ("reformer" in methods) == installed  # the outside anchor runs when it is installed
+    assert ("not available" in data["anchor"]) == (not installed)
     for r in data["seq_rows"]:
         assert r["time_median_s"] > 0 and r["peak_bytes"] > 0 and r["kept_bytes"] > 0
         if r["method"] != "plain" and r["method"] != "C":

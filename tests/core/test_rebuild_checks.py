@@ -277,13 +277,15 @@ def test_check_every_still_reports_a_drifting_rebuild_within_that_many_steps():
 def test_a_drift_message_on_cuda_names_tf32_when_it_is_allowed(monkeypatch):
     from types import SimpleNamespace
 
-    from revtrain.core.checks import _tf32_hint
+    from revtrain.core import checks
 
+    assert [name for name, _ in checks._tf32_flags()] == [
+        "torch.backends.cudnn.allow_tf32", "torch.backends.cuda.matmul.allow_tf32"]
     on_gpu, on_cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert "torch.backends.cudnn.allow_tf32 is True" in _tf32_hint(on_gpu)
-    assert "set it to False" in _tf32_hint(on_gpu)
-    assert _tf32_hint(on_cpu) == ""  # the CPU has no TF32
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    assert _tf32_hint(on_gpu) == ""
+    flags = [("torch.backends.cudnn.allow_tf32", True), ("torch.backends.cuda.matmul.allow_tf32", False)]
+    monkeypatch.setattr(checks, "_tf32_flags", lambda: flags)
+    assert "torch.backends.cudnn.allow_tf32 is True" in checks._tf32_hint(on_gpu)
+    assert "set it to False" in checks._tf32_hint(on_gpu)
+    assert checks._tf32_hint(on_cpu) == ""  # the CPU has no TF32
+    flags[0] = ("torch.backends.cudnn.allow_tf32", False)
+    assert checks._tf32_hint(on_gpu) == ""
