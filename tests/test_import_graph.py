@@ -118,8 +118,9 @@ FLOORS = {
     "tasks": 5,
     "planner": 6,
     "train": 7, "bench": 7, "revtrain": 7,
-    "parallel": 8, "options": 8,
-    "cli": 9,
+    "options": 8,
+    "parallel": 9,
+    "cli": 10,
 }
 
 

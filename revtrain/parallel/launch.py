@@ -18,6 +18,7 @@ within ``timeout`` plus a few seconds of a failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +26,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,13 +41,28 @@ from revtrain.parallel.options import RunOptions, parse_split
 from revtrain.parallel.partition import split_model
 from revtrain.parallel.worker import plan_segments
 
-__all__ = ["launch", "start_workers", "watch", "free_port", "check_port", "ERROR_FILE_ENV"]
+__all__ = ["launch", "start_workers", "watch", "free_port", "check_port", "ERROR_FILE_ENV", "reporting_to_launcher"]
 
 ERROR_FILE_ENV = "REVTRAIN_ERROR_FILE"
 """Environment variable naming the file a worker writes its error to before exiting."""
 
 _GRACE_S = 3.0
 _POLL_S = 0.1
+
+
+@contextlib.contextmanager
+def reporting_to_launcher() -> Iterator[None]:
+    """Run a started rank's work; if it fails, write the traceback to the file the launcher reads
+    (``ERROR_FILE_ENV``) so that its message names the cause, then let the error end the rank."""
+    try:
+        yield
+    except BaseException as err:  # noqa: BLE001 - report every failure to the launcher, then fail
+        error_file = os.environ.get(ERROR_FILE_ENV)
+        if error_file and not isinstance(err, KeyboardInterrupt):
+            with open(error_file, "w") as f:
+                f.write(traceback.format_exc())
+                f.write(f"{type(err).__name__}: {err}\n")
+        raise
 
 
 def free_port() -> int:

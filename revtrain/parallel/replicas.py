@@ -33,7 +33,6 @@ import json
 import os
 import sys
 import tempfile
-import traceback
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -45,7 +44,7 @@ import torch.distributed as dist
 from revtrain.parallel.data_parallel import full_state_dict, replicate, shard
 from revtrain.parallel.distributed import check_backend, init_from_env
 from revtrain.parallel.errors import PipelineConfigError
-from revtrain.parallel.launch import ERROR_FILE_ENV, check_port, free_port, start_workers, watch
+from revtrain.parallel.launch import check_port, free_port, reporting_to_launcher, start_workers, watch
 from revtrain.tasks import add_sums
 from revtrain.train import Trainer
 from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
@@ -346,20 +345,13 @@ def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m revtrain.parallel.replicas")
     parser.add_argument("--worker-config", required=True)
     args = parser.parse_args(argv)
-    try:
+    with reporting_to_launcher():
         data = json.loads(Path(args.worker_config).read_text())
         given = dict(data["given"])
         if "milestones" in given:
             given["milestones"] = tuple(given["milestones"])
         run_data_parallel_rank(given, data["world"], sharded=data["sharded"], backend=data["backend"],
                                timeout=data["timeout"])
-    except BaseException as err:  # noqa: BLE001 - report every failure to the launcher, then fail
-        error_file = os.environ.get(ERROR_FILE_ENV)
-        if error_file and not isinstance(err, KeyboardInterrupt):
-            with open(error_file, "w") as f:
-                f.write(traceback.format_exc())
-                f.write(f"{type(err).__name__}: {err}\n")
-        raise
     return 0
 
 
