@@ -37,6 +37,7 @@ from revtrain.models.transformer_layers import (
     SequenceTooLongError,
     check_heads,
     init_transformer_weights,
+    run_stack,
 )
 
 __all__ = ["LMHead", "ResidualLayer", "RevTransformerLM", "TokenEmbedding", "TransformerConfig", "TransformerLM"]
@@ -143,7 +144,7 @@ class LMHead(nn.Module):
 
 
 class _LanguageModel(nn.Module):
-    """Embedding and head shared by both twins; subclasses set ``layers`` and ``_stack``."""
+    """Embedding and head shared by both twins; subclasses set ``layers``."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -166,12 +167,9 @@ class _LanguageModel(nn.Module):
         """Size of the vocabulary (logits per position)."""
         return self.config.vocab_size
 
-    def _stack(self, h: Tensor) -> Tensor:
-        raise NotImplementedError
-
     def forward(self, ids: Tensor) -> Tensor:
         """Next-token logits ``(B, T, vocab)`` for token ids ``(B, T)``."""
-        return self.head(self._stack(self.embed(ids)))
+        return self.head(run_stack(self.layers, self.embed(ids)))
 
 
 class RevTransformerLM(_LanguageModel):
@@ -187,11 +185,6 @@ class RevTransformerLM(_LanguageModel):
             [ReversibleBlock(*config.layer(), split_dim=-1) for _ in range(config.depth)]
         )
         self._finish()
-
-    def _stack(self, h: Tensor) -> Tensor:
-        # Both streams start as the embedding; the pair form avoids concatenating them.
-        y1, y2 = self.layers((h, h))
-        return 0.5 * (y1 + y2)
 
 
 class ResidualLayer(nn.Module):
@@ -214,9 +207,6 @@ class TransformerLM(_LanguageModel):
         super().__init__(config)
         self.layers = nn.Sequential(*(ResidualLayer(*config.layer()) for _ in range(config.depth)))
         self._finish()
-
-    def _stack(self, h: Tensor) -> Tensor:
-        return self.layers(h)
 
 
 # ----------------------------------------------------------------------------- the zoo

@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from revtrain.core import ReversibleSequence
 from revtrain.errors import RevtrainError
 
 __all__ = [
     "FeedForward",
+    "run_stack",
     "SelfAttention",
     "SequenceTooLongError",
     "apply_rotary",
@@ -185,3 +187,16 @@ def init_transformer_weights(model: nn.Module, depth: int, std: float = 0.02) ->
             nn.init.normal_(module.proj.weight, std=residual_std)
         elif isinstance(module, FeedForward):
             nn.init.normal_(module.fc2.weight, std=residual_std)
+
+
+def run_stack(layers: nn.Module, h: Tensor) -> Tensor:
+    """Run a Transformer's layers on the embedded tokens ``h``.
+
+    A reversible stack (:class:`~revtrain.core.ReversibleSequence`) carries two streams that both
+    start as ``h`` (the pair form avoids concatenating them) and returns their mean; a plain
+    stack maps ``h`` itself.
+    """
+    if isinstance(layers, ReversibleSequence):
+        y1, y2 = layers((h, h))
+        return 0.5 * (y1 + y2)
+    return layers(h)

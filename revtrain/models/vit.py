@@ -20,7 +20,13 @@ from torch import Tensor, nn
 from revtrain.core import ReversibleBlock, ReversibleSequence
 from revtrain.models.registry import register_model
 from revtrain.models.transformer import ResidualLayer
-from revtrain.models.transformer_layers import FeedForward, SelfAttention, check_heads, init_transformer_weights
+from revtrain.models.transformer_layers import (
+    FeedForward,
+    SelfAttention,
+    check_heads,
+    init_transformer_weights,
+    run_stack,
+)
 
 __all__ = ["PatchEmbedding", "RevViT", "ViT", "ViTConfig"]
 
@@ -118,12 +124,9 @@ class _Encoder(nn.Module):
         init_transformer_weights(self, self.config.depth)
         nn.init.normal_(self.embed.positions, std=0.02)
 
-    def _stack(self, h: Tensor) -> Tensor:
-        raise NotImplementedError
-
     def forward(self, x: Tensor) -> Tensor:
         """Class logits ``(B, classes)`` for images ``(B, C, H, W)``."""
-        return self.head(self._stack(self.embed(x)))
+        return self.head(run_stack(self.layers, self.embed(x)))
 
 
 class RevViT(_Encoder):
@@ -138,10 +141,6 @@ class RevViT(_Encoder):
         self.layers = ReversibleSequence([ReversibleBlock(*config.layer(), split_dim=-1) for _ in range(config.depth)])
         self._finish()
 
-    def _stack(self, h: Tensor) -> Tensor:
-        y1, y2 = self.layers((h, h))
-        return 0.5 * (y1 + y2)
-
 
 class ViT(_Encoder):
     """The plain twin of :class:`RevViT`: same modules, ordinary pre-LN residuals."""
@@ -150,9 +149,6 @@ class ViT(_Encoder):
         super().__init__(config)
         self.layers = nn.Sequential(*(ResidualLayer(*config.layer()) for _ in range(config.depth)))
         self._finish()
-
-    def _stack(self, h: Tensor) -> Tensor:
-        return self.layers(h)
 
 
 # ----------------------------------------------------------------------------- the zoo
