@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from digits_loop import train_digits  # noqa: E402
 
 from revtrain import create_model  # noqa: E402
-from revtrain.bench import machine_info  # noqa: E402
+from revtrain.bench.machine import machine_info, machine_line  # noqa: E402
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes, use_exact_couplings, verify_invertible  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         "# Exact (fixed-point) couplings",
         "",
         f"- command: `{command}`",
-        f"- torch {before['torch']}, {before['torch_threads']} threads, {before['cpu_count']} CPUs; "
-        f"load average before {before['load_average']}, after {after['load_average']}; wall "
-        f"{time.perf_counter() - start:.0f} s",
+        machine_line(before, after, time.perf_counter() - start),
         "",
         "## Rebuild drift with depth (F, G = Linear(8, 8) + tanh, batch 16, float32)",
         "",

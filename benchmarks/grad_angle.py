@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from digits_loop import train_digits  # noqa: E402
 
 from revtrain import create_model  # noqa: E402
-from revtrain.bench import machine_info  # noqa: E402
+from revtrain.bench.machine import machine_info, machine_line  # noqa: E402
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes  # noqa: E402
 from revtrain.train.grad_angle import gradient_angles, plot_grad_angles  # noqa: E402
 
@@ -127,9 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.every} steps, float32, digits, default recipe (benchmarks/digits_loop.py).",
         "",
         f"- command: `{command}`",
-        f"- torch {before['torch']}, {before['torch_threads']} threads, {before['cpu_count']} CPUs; "
-        f"load average before {before['load_average']}, after {after['load_average']}; wall "
-        f"{time.perf_counter() - start:.0f} s",
+        machine_line(before, after, time.perf_counter() - start),
         "",
         "| run | steps | angle at step 0 (deg) | last (deg) | max (deg) | max ‖g_M − g_C‖/‖g_C‖ | test accuracy | plot |",
         "|:---|---:|---:|---:|---:|---:|---:|:---|",

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from revtrain.bench import machine_info
+from revtrain.bench.machine import machine_info, machine_line
 from revtrain.core import ReversibleBlock
 from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint, layout_of
 
@@ -125,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         "check.",
         "",
         f"- command: `{command}`",
-        f"- torch {info['torch']}, {info['torch_threads']} threads, {info['cpu_count']} CPUs; "
-        f"load average before {info['load_average']}, after {after['load_average']}; wall "
-        f"{time.perf_counter() - start:.0f} s",
+        machine_line(info, after, time.perf_counter() - start),
         f"- one fingerprint of both halves: {fp_ms:.2f} ms median (the norm-only fingerprint: "
         f"{norm_ms:.2f} ms)",
         "",

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "cpu_model", "load_average", "busy_machine_note", "BUSY_LOAD_PER_CORE"]
+__all__ = ["machine_info", "machine_line", "cpu_model", "load_average", "busy_machine_note", "BUSY_LOAD_PER_CORE"]
 
 BUSY_LOAD_PER_CORE = 0.5
 """Load average per core above which other processes are taken to have shared the cores."""
@@ -69,6 +69,15 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
             cudnn=torch.backends.cudnn.version(),
         )
     return info
+
+
+def machine_line(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> str:
+    """The results files' machine line from :func:`machine_info` records taken around a run."""
+    return (
+        f"- torch {before['torch']}, {before['torch_threads']} threads, {before['cpu_count']} CPUs; "
+        f"load average before {before['load_average']}, after {after['load_average']}; wall "
+        f"{wall_s:.0f} s"
+    )
 
 
 def busy_machine_note(before: dict[str, Any], after: dict[str, Any], advice: str) -> str | None:
