@@ -23,6 +23,19 @@ def one_thread() -> Any:
     torch.set_num_threads(before)
 
 
+TEXT = "the quick brown fox jumps over the lazy dog. " * 200
+"""A small corpus for the language-model runs."""
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """A text folder holding :data:`TEXT` in one file."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text(TEXT)
+    return folder
+
+
 def make_tiny_config(run_dir: Path, **overrides: Any) -> TrainConfig:
     """The tiny run, writing to ``run_dir``; 6 steps and 2 evaluations, about a second."""
     options: dict[str, Any] = dict(

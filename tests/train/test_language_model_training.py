@@ -12,17 +12,6 @@ from revtrain.cli import main
 from revtrain.train import ConfigError, TrainConfig, Trainer
 from revtrain.train.sample import SampleConfig, sample_from_checkpoint
 
-TEXT = "the quick brown fox jumps over the lazy dog. " * 200
-
-
-@pytest.fixture
-def corpus(tmp_path: Path) -> Path:
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    (folder / "a.txt").write_text(TEXT)
-    return folder
-
-
 def _config(corpus: Path, run_dir: Path, **overrides) -> TrainConfig:
     options = dict(model="revformer_tiny", dataset="text", data_dir=str(corpus), batch_size=8, epochs=1,
                    max_steps_per_epoch=60, optimizer="adamw", lr=1e-2, warmup_epochs=0, grad_clip=1.0,

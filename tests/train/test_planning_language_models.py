@@ -12,17 +12,6 @@ from revtrain.core import get_modes
 from revtrain.planner import Plan
 from revtrain.train import TrainConfig, Trainer
 
-TEXT = "the quick brown fox jumps over the lazy dog. " * 200
-
-
-@pytest.fixture
-def corpus(tmp_path: Path) -> Path:
-    folder = tmp_path / "corpus"
-    folder.mkdir()
-    (folder / "a.txt").write_text(TEXT)
-    return folder
-
-
 def _config(corpus: Path, run_dir: Path, **overrides) -> TrainConfig:
     options = dict(model="revformer_tiny", dataset="text", data_dir=str(corpus), batch_size=4, epochs=1,
                    max_steps_per_epoch=1, optimizer="adamw", lr=1e-3, warmup_epochs=0, device="cpu", threads=1,
