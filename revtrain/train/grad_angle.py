@@ -263,9 +263,9 @@ def plot_grad_angles(
 class GradAngleMonitor:
     """``revtrain train --grad-angle-every N``: a measurement every ``N`` steps, on that step's batch.
 
-    The trainer calls :meth:`before_step` with each batch before its update: every ``every``-th
-    step it measures :func:`gradient_angles` with the parameters the update is about to use and
-    writes a ``"grad_angle"`` record to the metrics file. The measurement leaves the model, its
+    Before every ``every``-th update (:meth:`due`) the trainer calls :meth:`measure`, which
+    measures :func:`gradient_angles` with the parameters the update is about to use; the trainer
+    writes the result as a ``"grad_angle"`` record to the metrics file. The measurement leaves the model, its
     gradients and the random generators as they were, so a run with the monitor trains exactly
     like one without. :meth:`plot` draws every record of the run folder's metrics file (resumed
     runs included).
@@ -298,10 +298,8 @@ class GradAngleMonitor:
         """Whether the update that makes ``step`` (1-based) is measured."""
         return step % self.every == 0
 
-    def before_step(self, step: int, batch: tuple[Any, Any]) -> GradAngleResult | None:
-        """Measure on ``batch`` if update number ``step`` is due; return the result or None."""
-        if not self.due(step):
-            return None
+    def measure(self, batch: tuple[Any, Any]) -> GradAngleResult:
+        """Measure on ``batch`` (the batch of a due update, before it) and keep the result."""
         with self.context():
             result = gradient_angles(self.model, batch, self.loss_fn, group_depth=self.group_depth)
         self.results.append(result)
@@ -320,6 +318,5 @@ class GradAngleMonitor:
 
     def plot(self, metrics_path: Path, run_dir: Path) -> Path | None:
         """Draw the run's records to ``run_dir/grad_angles.png``; None when there are none."""
-        if not metrics_path.exists() or not _records(metrics_path, "grad_angle"):
-            return None
-        return plot_grad_angles(metrics_path, run_dir / self.PNG)
+        records = _records(metrics_path, "grad_angle") if metrics_path.exists() else []
+        return plot_grad_angles(records, run_dir / self.PNG) if records else None

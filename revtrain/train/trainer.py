@@ -268,7 +268,7 @@ class Trainer:
             The loss (detached) and the task's additive sums of this batch
             (:meth:`~revtrain.tasks.Task.batch_sums`).
         """
-        x, y = (t.to(self.device, non_blocking=True) for t in batch)
+        x, y = self._on_device(batch)
         with self._autocast():
             output = self.model(x)
             loss = self.task.loss(output, y)
@@ -319,10 +319,9 @@ class Trainer:
     def _measure_grad_angles(self, batch: Batch, epoch: int) -> None:
         """Stored- vs rebuilt-activation gradients on the batch of the coming update (RevNet §5.2)."""
         assert self.grad_angles is not None and self.metrics is not None
-        x, y = (t.to(self.device, non_blocking=True) for t in batch)
-        result = self.grad_angles.before_step(self.step + 1, (x, y))
-        if result is not None:
-            self.metrics.write("grad_angle", step=self.step + 1, epoch=epoch, **result.to_record())
+        x, y = self._on_device(batch)
+        result = self.grad_angles.measure((x, y))
+        self.metrics.write("grad_angle", step=self.step + 1, epoch=epoch, **result.to_record())
 
     # ------------------------------------------------------------------ records
 
@@ -393,7 +392,7 @@ class Trainer:
         sums: dict[str, float] = {}
         try:
             for batch in self.test_loader:
-                x, y = (t.to(self.device, non_blocking=True) for t in batch)
+                x, y = self._on_device(batch)
                 with self._autocast():
                     output = self.model(x)
                 add_sums(sums, self.task.batch_sums(output, y))
@@ -536,6 +535,11 @@ class Trainer:
             return nullcontext()
         dtype = torch.bfloat16 if self.config.amp == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
+
+    def _on_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` moved to the run's device."""
+        x, y = batch
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _bar_disabled(self) -> bool:
         return self.config.quiet or not sys.stderr.isatty()
