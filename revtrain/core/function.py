@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
-from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint, layout_of, norms
+from revtrain.core.checks import Fingerprints, RebuildCheck, check_rebuilds, layout_of
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
 from revtrain.core.replay import AutocastState, ModuleTensors
@@ -96,21 +96,25 @@ class _ReversibleRun(torch.autograd.Function):
         extra = run.extra.with_tensors(extra_in) if run.n_extra else run.extra
         layers = run.layers
         records: list[Any] = []
-        prints: list[Tensor | None] = []
         layouts: list[Any] = []
-        out_norms: list[Tensor | None] = []
         due = [_check_due(layer, i) for i, layer in enumerate(layers)]
+        taken = Fingerprints()
+        inputs: list[int | None] = []  # where each layer's input fingerprint is in `taken`
+        output_prints: dict[int, int] = {}
         for i, layer in enumerate(layers):
             layouts.append(layout_of(xs) if due[i] else None)
-            prints.append(fingerprint(xs, layouts[-1]) if due[i] else None)
+            inputs.append(taken.add(xs, layouts[-1]) if due[i] else None)
             xs, record = layer.step_forward(xs, extra)
             records.append(record)
-            next_checks = i + 1 < len(layers) and due[i + 1]
             # A layer's output scale is the next layer's input fingerprint when there is one.
-            out_norms.append(norms(xs) if prints[-1] is not None and not next_checks else None)
-        for i in range(len(layers) - 1):
-            if prints[i] is not None and out_norms[i] is None:
-                out_norms[i] = prints[i + 1][:, 0]  # type: ignore[index]
+            if due[i] and not (i + 1 < len(layers) and due[i + 1]):
+                output_prints[i] = taken.add(xs)
+        found = taken.results()
+        prints = [found[k] if k is not None else None for k in inputs]
+        out_norms = [
+            None if k is None else found[output_prints[i] if i in output_prints else inputs[i + 1]][:, 0]  # type: ignore[index]
+            for i, k in enumerate(inputs)
+        ]
         ctx.run = run
         ctx.records = records
         ctx.prints = prints
@@ -160,7 +164,8 @@ class _ReversibleRun(torch.autograd.Function):
         n = len(layers)
         param_grads: list[list[Tensor | None]] = [[] for _ in range(n)]
         extra_grads: list[Tensor | None] = [None] * run.n_extra
-        checks = []
+        rebuilt = Fingerprints()
+        checked: list[tuple[int, int]] = []  # (layer, its rebuilt input's index in `rebuilt`)
         need_first = any(ctx.needs_input_grad[1:first_extra])
         # Backward runs with grad mode off; the rebuild needs graphs.
         # The state and its gradient travel as lists that a step may empty once it has taken
@@ -176,15 +181,7 @@ class _ReversibleRun(torch.autograd.Function):
             if result.extra_grads:
                 extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
             if ctx.prints[i] is not None:
-                layer = layers[i]
-                checks.append(
-                    RebuildCheck(
-                        layer, functools.partial(_where, layer, i, n), ctx.prints[i],
-                        fingerprint(result.inputs, ctx.layouts[i]),
-                        ctx.out_norms[i],
-                        getattr(layer, "output_names", None),
-                    )
-                )
+                checked.append((i, rebuilt.add(result.inputs, ctx.layouts[i])))
 
         with torch.enable_grad(), ctx.autocast.context():
             if run.overlap and supports_phases(layers):
@@ -217,7 +214,14 @@ class _ReversibleRun(torch.autograd.Function):
                     state, grad_state = list(result.inputs), list(result.grad_inputs)
                     del result
         _hand_over(ctx, tuple(state))
-        check_rebuilds(checks)
+        found = rebuilt.results()
+        check_rebuilds([
+            RebuildCheck(
+                layers[i], functools.partial(_where, layers[i], i, n), ctx.prints[i], found[k],
+                ctx.out_norms[i], getattr(layers[i], "output_names", None),
+            )
+            for i, k in checked
+        ])
         dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]
         return (None, *dxs, *extra_grads, *flat)

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.function import check_state, run_reversible
-from revtrain.core.replay import RngState
+from revtrain.core.replay import RngState, submodules
 from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads
 
 __all__ = [
@@ -75,10 +75,11 @@ def trainable_params(*modules: nn.Module) -> list[Tensor]:
     seen: set[int] = set()
     out: list[Tensor] = []
     for module in modules:
-        for p in module.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
+        for m in submodules(module):  # module.parameters(), walked without generators
+            for p in m._parameters.values():
+                if p is not None and p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
     return out
 
 

@@ -25,7 +25,25 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["RngState", "AutocastState", "ModuleTensors", "no_running_stat_updates"]
+__all__ = ["RngState", "AutocastState", "ModuleTensors", "no_running_stat_updates", "submodules"]
+
+
+def submodules(module: nn.Module) -> list[nn.Module]:
+    """``list(module.modules())``: the module and its descendants, each once, in the same
+    (depth-first) order, without the generators and name prefixes of ``named_modules``; M-mode
+    walks each layer's modules in every forward, where that walk was 3-4% of a small step."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        seen.add(id(m))
+        out.append(m)
+        for child in m._modules.values():
+            if child is not None and id(child) not in seen:
+                visit(child)
+
+    visit(module)
+    return out
 
 
 @dataclass(frozen=True)
@@ -131,7 +149,7 @@ class ModuleTensors:
     def capture(cls, module: nn.Module) -> ModuleTensors:
         entries = []
         norms = []
-        for m in module.modules():
+        for m in submodules(module):
             entries.extend((m._parameters, name, t) for name, t in m._parameters.items())
             entries.extend((m._buffers, name, t) for name, t in m._buffers.items())
             if isinstance(m, _NormBase) and m.training and m.track_running_stats:

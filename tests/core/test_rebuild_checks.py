@@ -226,25 +226,27 @@ def test_rebuilt_contiguous_halves_compare_with_strided_originals(split_dim, sha
 def test_check_every_samples_the_layers_staggered_and_covers_each_in_turn(monkeypatch):
     """``check_every=2``: each step fingerprints half of a run's blocks (forward and rebuild),
     alternating, so two steps check every block once."""
-    import revtrain.core.function as function
+    from revtrain.core.checks import Fingerprints
 
-    seen: list[int] = []
-    original = function.fingerprint
+    seen: list[bool] = []  # per fingerprint taken: was it of an input (forward or rebuild)?
+    original = Fingerprints.add
 
-    def counting(state, layout=None):
-        seen.append(state[0].shape[0])
-        return original(state, layout)
+    def counting(self, state, layout=None):
+        seen.append(layout is not None)
+        return original(self, state, layout)
 
-    monkeypatch.setattr(function, "fingerprint", counting)
+    monkeypatch.setattr(Fingerprints, "add", counting)
     torch.manual_seed(0)
     model = make_stack(4, check_every=2)
     checked = []
     for _ in range(2):
         seen.clear()
         model(torch.randn(2, 8, 4, 4)).square().sum().backward()
-        checked.append(len(seen))
+        checked.append((sum(seen), len(seen)))
         assert [b.__dict__["_check_calls"] for b in model] == [len(checked)] * 4
-    assert checked == [4, 4]  # 2 blocks x (forward + rebuild) per step
+    # 2 blocks x (forward input + rebuilt input) per step, and the output scale of each checked
+    # block (its output is not the input of a checked block).
+    assert checked == [(4, 6), (4, 6)]
     with pytest.raises(ValueError, match="check_every"):
         make_stack(1, check_every=0)
 
