@@ -130,25 +130,54 @@ def _as_slabs(x: Tensor, k: int) -> Tensor:
 
 def _random_vectors(
     a: int, rows: int, length: int, dtype: torch.dtype, device: torch.device
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``u / sqrt(ROW_VECTORS)`` as ``(A, L, 2)`` (one batched product per tensor), ``s_A`` and
-    ``sqrt(ROW_VECTORS) · s_R``: the scale moved from the fold onto ``u`` makes ``‖W‖`` the norm
-    estimate itself (one op fewer per fingerprint), with the projections unchanged."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The row vectors ``u / sqrt(ROW_VECTORS)`` as ``(A, L, 2)`` for a batched product, the
+    same two vectors as one complex vector where ``L`` is even (see :func:`_row_vectors`),
+    ``s_A`` and ``sqrt(ROW_VECTORS) · s_R``: the scale moved from the fold onto ``u`` makes
+    ``‖W‖`` the norm estimate itself (one op fewer per fingerprint), with the projections
+    unchanged."""
     key = (a, rows, length, dtype, device)
     cached = _vectors.get(key)
     if cached is None:
         gen = torch.Generator().manual_seed(_SEED + 1_000_003 * length + 1009 * rows + a)
-        u = _typical_sums(torch.randn(length, ROW_VECTORS, generator=gen, dtype=torch.float64))
+        u = _row_vectors(length, gen)
         s_a = _typical_sums(torch.randn(a, _FOLD_A, generator=gen, dtype=torch.float64))
         s_r = _typical_sums(torch.randn(rows, _FOLD_R, generator=gen, dtype=torch.float64))
         root = math.sqrt(ROW_VECTORS)
+        complex_u = None
+        if length % 2 == 0 and not dtype.is_complex:
+            # v1 = (a, -b), v2 = (b, a) interleaved: x · (a + ib), summed, has v1·x and v2·x as
+            # its real and imaginary parts.
+            complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+            complex_u = torch.complex(u[0::2, 0], u[0::2, 1]).div(root).to(device=device, dtype=complex_dtype)
         u, s_a, s_r = (t.to(device=device, dtype=dtype) for t in (u / root, s_a, s_r * root))
         # A contiguous batch of u's multiplies faster than a broadcast view (small tensors are
         # bound by per-op cost); large batches keep the view instead of a large copy.
         batched = u.expand(a, length, ROW_VECTORS)
-        cached = (batched.contiguous() if batched.numel() <= _MAX_PENDING else batched, s_a, s_r)
+        cached = (batched.contiguous() if batched.numel() <= _MAX_PENDING else batched, complex_u, s_a, s_r)
         _vectors[key] = cached
     return cached
+
+
+def _row_vectors(length: int, gen: torch.Generator) -> Tensor:
+    """``(L, 2)`` float64: two random vectors along the rows whose sums are ``sqrt(L)``.
+
+    For even ``L`` they come from ``L/2`` random complex numbers ``a_k + i b_k``: ``v1`` holds
+    ``(a_k, -b_k)`` and ``v2`` holds ``(b_k, a_k)`` interleaved, so that one complex
+    multiply-and-sum over a row (seen as ``L/2`` complex numbers) gives both projections in one
+    pass (:func:`_row_projections`). ``Σa = sqrt(L)`` and ``Σb = 0`` make both sums ``sqrt(L)``:
+    see :func:`_typical_sums` for why the sums are fixed.
+    """
+    if length % 2:
+        return _typical_sums(torch.randn(length, ROW_VECTORS, generator=gen, dtype=torch.float64))
+    half = length // 2
+    ab = torch.randn(half, 2, generator=gen, dtype=torch.float64)
+    ab = ab - ab.mean(dim=0, keepdim=True)
+    a, b = ab[:, 0] + math.sqrt(length) / half, ab[:, 1]
+    u = torch.empty(length, ROW_VECTORS, dtype=torch.float64)
+    u[0::2, 0], u[1::2, 0] = a, -b
+    u[0::2, 1], u[1::2, 1] = b, a
+    return u
 
 
 def _typical_sums(vectors: Tensor) -> Tensor:
@@ -173,6 +202,8 @@ class _Plan(NamedTuple):
     """Half precision: the products run in float32 (they would round coarsely)."""
     u: Tensor | None
     """The row vectors, ``(A, L, 2)`` (None for an empty tensor)."""
+    complex_u: Tensor | None
+    """The same as one complex vector, on CPUs (None where ``L`` is odd, or on other devices)."""
     s_a: Tensor | None
     s_r: Tensor | None
     exact_norm: bool
@@ -185,9 +216,11 @@ class _Plan(NamedTuple):
         a, r, length = _slab_shape(x, k)
         upcast = x.dtype in (torch.float16, torch.bfloat16)
         if not x.numel():
-            return cls((a, r, length), upcast, None, None, None, False, 0)
-        u, s_a, s_r = _random_vectors(a, r, length, torch.float32 if upcast else x.dtype, x.device)
-        return cls((a, r, length), upcast, u, s_a, s_r, a * r < EXACT_NORM_ROWS, a * r * ROW_VECTORS)
+            return cls((a, r, length), upcast, None, None, None, None, False, 0)
+        u, complex_u, s_a, s_r = _random_vectors(a, r, length, torch.float32 if upcast else x.dtype, x.device)
+        if x.device.type != "cpu":
+            complex_u = None  # cuBLAS does the batched product at memory speed
+        return cls((a, r, length), upcast, u, complex_u, s_a, s_r, a * r < EXACT_NORM_ROWS, a * r * ROW_VECTORS)
 
 
 _plans: dict[tuple[int, torch.Size, torch.dtype, torch.device], _Plan] = {}
@@ -202,6 +235,39 @@ def _slab(x: Tensor, plan: _Plan) -> Tensor:
         slab = x.reshape(plan.shape)
     return slab.float() if plan.upcast else slab
 
+
+def _row_projections(slab: Tensor, plan: _Plan) -> Tensor:
+    """``W = X u``: ``(A, R, 2)``, each row's projections onto the two row vectors.
+
+    On CPUs, one complex multiply-and-sum (the row seen as ``L/2`` complex numbers) in chunks
+    of at most :data:`_CHUNK` values: a batched matrix product with two columns runs at a
+    fraction of memory speed there (MKL: 600 µs for a (32, 32, 1024) float32 slab, 180 µs this
+    way), and the chunks bound the temporary of the product.
+    """
+    if plan.complex_u is not None:
+        a, r, length = plan.shape
+        try:
+            xc = torch.view_as_complex(slab.view(a, r, length // 2, 2))
+        except RuntimeError:  # an odd stride or offset (a strided half): the batched product
+            return torch.bmm(slab, plan.u)  # type: ignore[arg-type]
+        out = torch.empty((a, r), dtype=plan.complex_u.dtype)
+        rows = max(1, _CHUNK // (length // 2))
+        if a * r <= rows:
+            torch.sum(xc * plan.complex_u, dim=-1, out=out)
+        elif r <= rows:
+            step = rows // r
+            for i in range(0, a, step):
+                torch.sum(xc[i : i + step] * plan.complex_u, dim=-1, out=out[i : i + step])
+        else:
+            for i in range(a):
+                for j in range(0, r, rows):
+                    torch.sum(xc[i, j : j + rows] * plan.complex_u, dim=-1, out=out[i, j : j + rows])
+        return torch.view_as_real(out)
+    return torch.bmm(slab, plan.u)  # type: ignore[arg-type]
+
+
+_CHUNK = 1 << 17
+"""Complex values multiplied at a time by :func:`_row_projections` (a 1 MiB temporary)."""
 
 _MAX_PENDING = 1 << 16
 """Row projections (values) kept before :class:`Fingerprints` folds them: 256 KiB in float32."""
@@ -241,7 +307,7 @@ class Fingerprints:
                     exact.append(None)
                     continue
                 slab = _slab(x, plan)
-                rows.append((torch.bmm(slab, plan.u), plan.s_a, plan.s_r))  # W: (A, R, 2)
+                rows.append((_row_projections(slab, plan), plan.s_a, plan.s_r))  # W: (A, R, 2)
                 # Too few rows for the norm estimate: the exact norm.
                 exact.append(torch.linalg.vector_norm(slab) if plan.exact_norm else None)
                 self._pending_values += plan.values

@@ -291,3 +291,19 @@ def test_a_drift_message_on_cuda_names_tf32_when_it_is_allowed(monkeypatch):
     assert checks._tf32_hint(on_cpu) == ""  # the CPU has no TF32
     flags[0] = ("torch.backends.cudnn.allow_tf32", False)
     assert checks._tf32_hint(on_gpu) == ""
+
+
+@pytest.mark.parametrize("chunk", [1 << 17, 64, 8])  # one product; whole samples; parts of one
+@pytest.mark.parametrize("shape", [(8, 16, 8, 8), (4, 16, 6, 6), (3, 7, 10), (2, 12, 5, 5)])
+def test_row_projections_on_cpu_equal_the_batched_product(monkeypatch, shape, chunk):
+    """The CPU path (complex multiply-and-sum in chunks) computes what the batched product
+    computes, for every way of chunking, odd row lengths (the batched product) included."""
+    from revtrain.core import checks
+
+    monkeypatch.setattr(checks, "_CHUNK", chunk)
+    torch.manual_seed(0)
+    half = torch.randn(shape, dtype=torch.float64).chunk(2, dim=1)[1]
+    plan = checks._Plan.of(half, layout_of([half])[0])
+    assert (plan.complex_u is not None) == (plan.shape[2] % 2 == 0)
+    slab = checks._slab(half, plan)
+    torch.testing.assert_close(checks._row_projections(slab, plan), torch.bmm(slab, plan.u), rtol=1e-12, atol=1e-12)
