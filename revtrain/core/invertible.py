@@ -207,8 +207,10 @@ class Invertible(nn.Module, abc.ABC):
         return trainable_params(self)
 
     def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
-        rng = RngState.capture(xs[0].device) if self.preserve_rng_state else None
-        return extra.call(self.forward_state, xs), _GenericRecord(rng)
+        if not self.preserve_rng_state:
+            return extra.call(self.forward_state, xs), _GenericRecord(None)
+        ys, rng = RngState.around(xs[0].device, extra.call, self.forward_state, xs)
+        return ys, _GenericRecord(rng)
 
     def step_reverse(
         self,
@@ -251,8 +253,10 @@ class InverseStep:
         return self.module.step_params()
 
     def step_forward(self, ys: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
-        rng = RngState.capture(ys[0].device) if self.module.preserve_rng_state else None
-        return extra.call(self.module.inverse_state, ys), _GenericRecord(rng)
+        if not self.module.preserve_rng_state:
+            return extra.call(self.module.inverse_state, ys), _GenericRecord(None)
+        xs, rng = RngState.around(ys[0].device, extra.call, self.module.inverse_state, ys)
+        return xs, _GenericRecord(rng)
 
     def step_reverse(
         self,

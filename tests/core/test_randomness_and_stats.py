@@ -53,6 +53,34 @@ def test_dropout_without_replay_is_caught_as_drift():
         model(torch.randn(2, 8, 5, 5, requires_grad=True)).square().sum().backward()
 
 
+@pytest.mark.parametrize("random_in", ["none", "G", "both"])
+def test_only_functions_that_drew_random_numbers_replay_the_generators(monkeypatch, random_in):
+    """The forward notes whether F and G moved the generators; the rebuild replays (set, then
+    restore: two calls) only those that did, and gradients still equal plain autograd's."""
+    torch.manual_seed(0)
+
+    def fn(dropout: bool) -> nn.Module:
+        layers = [nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.Tanh()]
+        return nn.Sequential(*layers, nn.Dropout(0.5)) if dropout else nn.Sequential(*layers)
+
+    model = ReversibleSequence(
+        [ReversibleBlock(fn(random_in == "both"), fn(random_in != "none")) for _ in range(3)]
+    ).double()
+    twin = plain_twin(model)
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+    torch.manual_seed(7)
+    y = model(x.clone().requires_grad_(True))
+    sets = []
+    real_set = torch.set_rng_state
+    monkeypatch.setattr(torch, "set_rng_state", lambda state: (sets.append(1), real_set(state)))
+    y.square().sum().backward()
+    monkeypatch.setattr(torch, "set_rng_state", real_set)
+    assert len(sets) == {"none": 0, "G": 2 * 3, "both": 4 * 3}[random_in]
+    torch.manual_seed(7)
+    twin(x.clone().requires_grad_(True)).square().sum().backward()
+    assert_grads_close(grads(model), grads(twin), 1e-10)
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_batchnorm_statistics_match_plain_autograd(steps):
     torch.manual_seed(0)
