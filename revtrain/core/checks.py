@@ -38,11 +38,13 @@ error above the layer's ``drift_tolerance`` warns, or raises with ``drift_action
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -54,6 +56,7 @@ __all__ = [
     "layout_of",
     "norms",
     "check_rebuilds",
+    "check_run",
     "PROJECTIONS",
     "FLOOR",
     "RebuildCheck",
@@ -204,8 +207,9 @@ class _Plan(NamedTuple):
     """The row vectors, ``(A, L, 2)`` (None for an empty tensor)."""
     complex_u: Tensor | None
     """The same as one complex vector, on CPUs (None where ``L`` is odd, or on other devices)."""
-    s_a: Tensor | None
-    s_r: Tensor | None
+    fold: tuple[Tensor, ...] | None
+    """How :func:`_fold_rows` folds ``W``: ``(s_A ⊗ s_R,)`` as one ``(A·R, 32)`` matrix, or
+    ``(s_A, s_R)`` where that matrix would be large."""
     exact_norm: bool
     """Too few rows for the norm estimate."""
     values: int
@@ -216,11 +220,17 @@ class _Plan(NamedTuple):
         a, r, length = _slab_shape(x, k)
         upcast = x.dtype in (torch.float16, torch.bfloat16)
         if not x.numel():
-            return cls((a, r, length), upcast, None, None, None, None, False, 0)
+            return cls((a, r, length), upcast, None, None, None, False, 0)
         u, complex_u, s_a, s_r = _random_vectors(a, r, length, torch.float32 if upcast else x.dtype, x.device)
-        if x.device.type != "cpu":
-            complex_u = None  # cuBLAS does the batched product at memory speed
-        return cls((a, r, length), upcast, u, complex_u, s_a, s_r, a * r < EXACT_NORM_ROWS, a * r * ROW_VECTORS)
+        if x.device.type != "cpu" or x.numel() < _COMPLEX_MIN:
+            # cuBLAS does the batched product at memory speed; on small tensors one op is
+            # cheaper than the complex path's few.
+            complex_u = None
+        if a * r <= _MAX_KRON_ROWS:  # one product folds W (4 ops fewer, for small tensors)
+            fold: tuple[Tensor, ...] = (torch.einsum("ap,rq->arpq", s_a, s_r).reshape(a * r, _FOLD_A * _FOLD_R),)
+        else:
+            fold = (s_a, s_r)
+        return cls((a, r, length), upcast, u, complex_u, fold, a * r < EXACT_NORM_ROWS, a * r * ROW_VECTORS)
 
 
 _plans: dict[tuple[int, torch.Size, torch.dtype, torch.device], _Plan] = {}
@@ -266,6 +276,9 @@ def _row_projections(slab: Tensor, plan: _Plan) -> Tensor:
     return torch.bmm(slab, plan.u)  # type: ignore[arg-type]
 
 
+_COMPLEX_MIN = 1 << 15
+"""Values from which a CPU tensor takes the complex path of :func:`_row_projections`."""
+
 _CHUNK = 1 << 17
 """Complex values multiplied at a time by :func:`_row_projections` (a 1 MiB temporary)."""
 
@@ -283,17 +296,20 @@ class Fingerprints:
     """
 
     def __init__(self) -> None:
-        self._done: list[Tensor] = []
-        # Per state: its length, and per tensor W (None when empty), the fold vectors and the
-        # exact norm (small tensors only).
-        self._pending: list[tuple[int, list[tuple[Tensor, Tensor, Tensor] | None], list[Tensor | None]]] = []
+        self._done: list[Tensor] = []  # per state folded (see _unsplit)
+        self._folded = 0  # states folded
+        self._batch: Tensor | None = None  # every state folded at once: (states, n, 1 + P)
+        self._unsplit: tuple[Tensor, list[int]] | None = None  # the batch not yet in _done
+        # Per state: its length, and per tensor W (None when empty) with its plan's fold, and
+        # the exact norm (small tensors only).
+        self._pending: list[tuple[int, list[tuple[Tensor, tuple[Tensor, ...]] | None], list[Tensor | None]]] = []
         self._pending_values = 0
 
     def add(self, state: Sequence[Tensor], layout: Layout | None = None) -> int:
         """Take the fingerprint of ``state`` (cut into rows by ``layout``, default its own);
         returns its index into :meth:`results`."""
         layout = layout_of(state) if layout is None else layout
-        rows: list[tuple[Tensor, Tensor, Tensor] | None] = []
+        rows: list[tuple[Tensor, tuple[Tensor, ...]] | None] = []
         exact: list[Tensor | None] = []
         with _full_precision(state[0].device):
             for x, k in zip(state, layout):
@@ -307,20 +323,36 @@ class Fingerprints:
                     exact.append(None)
                     continue
                 slab = _slab(x, plan)
-                rows.append((_row_projections(slab, plan), plan.s_a, plan.s_r))  # W: (A, R, 2)
+                rows.append((_row_projections(slab, plan), plan.fold))  # W: (A, R, 2)
                 # Too few rows for the norm estimate: the exact norm.
                 exact.append(torch.linalg.vector_norm(slab) if plan.exact_norm else None)
                 self._pending_values += plan.values
-        index = len(self._done) + len(self._pending)
+        index = self._folded + len(self._pending)
         self._pending.append((len(state), rows, exact))
         if self._pending_values > _MAX_PENDING:
             self._fold()
         return index
 
+    def stacked(self, indices: Sequence[int]) -> Tensor:
+        """The fingerprints of the states at ``indices``, stacked: ``(len(indices), n,
+        1 + PROJECTIONS)`` for states of ``n`` tensors each (one indexing op in the usual case,
+        where every state was folded at once)."""
+        self._fold()
+        if self._batch is not None:
+            return self._batch[list(indices)]
+        return torch.stack([self.results()[i] for i in indices])
+
     def results(self) -> list[Tensor]:
         """Per state added, in order: ``(len(state), 1 + PROJECTIONS)`` float64."""
         self._fold()
+        self._split()
         return self._done
+
+    def _split(self) -> None:
+        if self._unsplit is not None:
+            out, counts = self._unsplit
+            self._done.extend(out.split(counts))
+            self._unsplit = None
 
     def _fold(self) -> None:
         if not self._pending:
@@ -333,25 +365,37 @@ class Fingerprints:
         counts = [n for n, _, _ in self._pending]
         outs = {}
         for key, members in groups.items():
-            w, s_a, s_r = flat[members[0]][0]  # type: ignore[misc]
+            w, fold = flat[members[0]][0]  # type: ignore[misc]
             with _full_precision(w.device):
-                out = _fold_rows([flat[j][0][0] for j in members], s_a, s_r)  # type: ignore[index]
+                out = _fold_rows([flat[j][0][0] for j in members], fold)  # type: ignore[index]
             if flat[members[0]][1] is not None:  # too few rows for the estimate (same shapes)
                 out[:, 0] = torch.stack([flat[j][1] for j in members]).to(out.dtype)  # type: ignore[misc]
             outs[key] = out
         if len(groups) == 1 and len(flat) == len(next(iter(groups.values()))):
             # The usual case, one shape throughout: each state is a slice of one tensor.
-            self._done.extend(next(iter(outs.values())).split(counts))
+            out = next(iter(outs.values()))
+            first_fold = not self._folded
+            same = all(n == counts[0] for n in counts)
+            self._split()
+            if first_fold and same:
+                # Per-state views only when asked for (results()); stacked() reads the batch.
+                self._batch, self._unsplit = out.view(len(counts), counts[0], -1), (out, counts)
+            else:
+                self._batch = None
+                self._done.extend(out.split(counts))
         else:
             folded: list[Tensor | None] = [None] * len(flat)
             for key, members in groups.items():
                 for j, row in zip(members, outs[key].unbind(0)):
                     folded[j] = row
+            self._batch = None
+            self._split()
             device = next(iter(outs.values())).device if outs else None
             start = 0
             for n in counts:
                 self._done.append(_assemble(folded[start : start + n], device))
                 start += n
+        self._folded += len(counts)
         self._pending, self._pending_values = [], 0
 
 
@@ -363,17 +407,25 @@ def _full_precision(device: torch.device) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _fold_rows(ws: list[Tensor], s_a: Tensor, s_r: Tensor) -> Tensor:
+def _fold_rows(ws: list[Tensor], fold: tuple[Tensor, ...]) -> Tensor:
     """``(len(ws), 1 + PROJECTIONS)`` float64: norm estimates and projections of same-shaped
-    row projections ``W`` (``(A, R, 2)`` each), in a few small matrix products (an einsum here
-    cost several times the pass over the data)."""
+    row projections ``W`` (``(A, R, 2)`` each), in one or two small matrix products (an einsum
+    here cost several times the pass over the data)."""
     w = torch.stack(ws) if len(ws) > 1 else ws[0].unsqueeze(0)  # (n, A, R, 2)
     n, a, rows, _ = w.shape
-    across_a = torch.matmul(s_a.T, w.view(n, a, rows * ROW_VECTORS))  # (n, 4, R * 2)
-    per_row_vector = across_a.view(n, _FOLD_A, rows, ROW_VECTORS).transpose(2, 3)  # (n, 4, 2, R)
-    projections = torch.matmul(per_row_vector, s_r).reshape(n, PROJECTIONS)
+    if len(fold) == 1:  # s_A ⊗ s_R as one matrix: (n, 2, A·R) @ (A·R, 32)
+        projections = torch.matmul(w.view(n, a * rows, ROW_VECTORS).transpose(1, 2), fold[0])
+    else:
+        s_a, s_r = fold
+        across_a = torch.matmul(s_a.T, w.view(n, a, rows * ROW_VECTORS))  # (n, 4, R * 2)
+        per_row_vector = across_a.view(n, _FOLD_A, rows, ROW_VECTORS).transpose(2, 3)  # (n, 4, 2, R)
+        projections = torch.matmul(per_row_vector, s_r).transpose(1, 2)  # (n, 2, 4, 8)
     norm = torch.linalg.vector_norm(w.view(n, -1), dim=1, keepdim=True)
-    return torch.cat([norm, projections], dim=1).to(torch.float64)
+    return torch.cat([norm, projections.reshape(n, PROJECTIONS)], dim=1).to(torch.float64)
+
+
+_MAX_KRON_ROWS = 1 << 14
+"""Rows (``A·R``) up to which ``s_A ⊗ s_R`` is kept as one matrix (2 MiB in float32)."""
 
 
 def _assemble(parts: list[Tensor | None], device: torch.device | None) -> Tensor:
@@ -453,55 +505,107 @@ def check_rebuilds(checks: Sequence[RebuildCheck]) -> list[float]:
     errors: list[float] = [math.nan] * len(checks)
     names: list[str] = [""] * len(checks)
     for members in groups.values():
-        # The arithmetic of every layer of the group in a few tensor ops; Python sees one row
-        # of four numbers per layer (the per-layer Python loop cost 5% of a small step).
         summary = _summarise(
-            torch.stack([checks[k].before for k in members]),
-            torch.stack([checks[k].after for k in members]),
-            torch.stack([checks[k].output_norms.flatten().to(torch.float64) for k in members]),
-        ).tolist()
-        for k, (finite_before, finite_after, drift, which) in zip(members, summary):
-            if not finite_before:
-                continue  # the forward's input was not finite; the loss shows that already
-            if not finite_after:
-                check = checks[k]
-                before, after = check.before.tolist(), check.after.tolist()
-                _check_one(check, before, after, check.output_norms.flatten().tolist())  # raises
-            errors[k] = drift
-            n_state = checks[k].before.shape[0]
-            names[k] = f"x{int(which) + 1}" if n_state > 1 else "x"
-    over = [
-        (errors[k], check, names[k])
-        for k, check in enumerate(checks)
-        if errors[k] > float(getattr(check.layer, "drift_tolerance"))
-    ]
-    if over:
-        strict = [o for o in over if getattr(o[1].layer, "drift_action") == "raise"]
-        message = _drift_message(max(strict or over, key=lambda o: o[0]), len(over), len(checks))
-        if strict:
-            raise ReconstructionError(message)
-        warnings.warn(message, ReconstructionDriftWarning, stacklevel=3)
+            _on_host(torch.stack([checks[k].before for k in members])),
+            _on_host(torch.stack([checks[k].after for k in members])),
+            _on_host(torch.stack([checks[k].output_norms.reshape(-1) for k in members])),
+        )
+        group_errors, group_names = _read(summary, lambda m: checks[members[m]])
+        for m, k in enumerate(members):
+            errors[k], names[k] = group_errors[m], group_names[m]
+    _report(errors, names, [c.layer for c in checks], lambda k: checks[k])
     return errors
 
 
-def _summarise(before: Tensor, after: Tensor, out_norms: Tensor) -> Tensor:
-    """Per layer: forward input finite, rebuild finite, largest relative error, its half.
+def check_run(
+    layers: Sequence[object],
+    where: Callable[[int], str],
+    before: Tensor,
+    after: Tensor,
+    output_norms: Tensor,
+) -> list[float]:
+    """:func:`check_rebuilds` for layers whose fingerprints are stacked already (an M-mode
+    run's checked layers): ``before``/``after`` ``(layers, halves, 1 + PROJECTIONS)``,
+    ``output_norms`` ``(layers, m)``; ``where(k)`` names layer ``k``. The arithmetic of all
+    layers runs at once on the host (three copies from a GPU, one sync); a
+    :class:`RebuildCheck` is made only for a layer a message names (per-layer tensors were
+    most of the check's cost on small tensors)."""
+    if not layers:
+        return []
+
+    def check(k: int) -> RebuildCheck:
+        layer = layers[k]
+        return RebuildCheck(layer, functools.partial(where, k), before[k], after[k], output_norms[k],
+                            getattr(layer, "output_names", None))
+
+    errors, names = _read(_summarise(_on_host(before), _on_host(after), _on_host(output_norms)), check)
+    _report(errors, names, layers, check)
+    return errors
+
+
+def _read(summary: np.ndarray, check: Callable[[int], RebuildCheck]) -> tuple[list[float], list[str]]:
+    """Errors and the names of the worst halves from :func:`_summarise`'s rows; raises for a
+    non-finite rebuild of a finite input."""
+    errors: list[float] = [math.nan] * len(summary)
+    names: list[str] = [""] * len(summary)
+    for k, (finite_before, finite_after, drift, which, halves) in enumerate(summary.tolist()):
+        if not finite_before:
+            continue  # the forward's input was not finite; the loss shows that already
+        if not finite_after:
+            bad = check(k)
+            _check_one(bad, bad.before.tolist(), bad.after.tolist(), bad.output_norms.flatten().tolist())  # raises
+        errors[k] = drift
+        names[k] = f"x{int(which) + 1}" if halves > 1 else "x"
+    return errors, names
+
+
+def _report(errors: list[float], names: list[str], layers: Sequence[object], check: Callable[[int], RebuildCheck]) -> None:
+    """Warn, or raise for layers with ``drift_action="raise"``, about errors above tolerance."""
+    over = [
+        (errors[k], k, names[k])
+        for k, layer in enumerate(layers)
+        if errors[k] > float(getattr(layer, "drift_tolerance"))
+    ]
+    if over:
+        strict = [o for o in over if getattr(layers[o[1]], "drift_action") == "raise"]
+        drift, k, name = max(strict or over, key=lambda o: o[0])
+        message = _drift_message((drift, check(k), name), len(over), len(errors))
+        if strict:
+            raise ReconstructionError(message)
+        warnings.warn(message, ReconstructionDriftWarning, stacklevel=4)
+
+
+def _on_host(t: Tensor) -> np.ndarray:
+    """``t`` as a float64 array in host memory: one copy (and one sync) from a GPU, none from
+    the CPU."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.numpy().astype(np.float64, copy=False)
+    return t.to("cpu", torch.float64).numpy()
+
+
+def _summarise(before: np.ndarray, after: np.ndarray, out_norms: np.ndarray) -> np.ndarray:
+    """Per layer: forward input finite, rebuild finite, largest relative error, its half, and
+    the number of halves.
 
     ``before``/``after``: ``(layers, halves, 1 + PROJECTIONS)``; ``out_norms``: ``(layers, m)``.
     The same arithmetic as :func:`_check_one`, which stays the reference for messages.
     """
-    finite_before = torch.isfinite(before).flatten(1).all(dim=1)
-    finite_after = torch.isfinite(after).flatten(1).all(dim=1)
-    in_scale = before[..., 0].square().sum(dim=1).sqrt()
-    out_scale = out_norms.square().sum(dim=1).sqrt()
-    scale = torch.fmax(in_scale, out_scale)  # fmax: a non-finite output norm does not poison it
-    error = (after[..., 1:] - before[..., 1:]).square().mean(dim=-1).sqrt()
-    denominator = torch.fmax(before[..., 0], FLOOR * scale[:, None])
-    # Input and output exactly zero: any rebuilt value is wrong.
-    zero = torch.where(error > 0, math.inf, 0.0).to(error.dtype)
-    drift = torch.where(denominator == 0, zero, error / torch.where(denominator == 0, 1.0, denominator))
-    worst, which = drift.max(dim=1)
-    return torch.stack([finite_before.to(worst.dtype), finite_after.to(worst.dtype), worst, which.to(worst.dtype)], dim=1)
+    with np.errstate(all="ignore"):  # non-finite values are what this looks for
+        finite_before = np.isfinite(before).reshape(len(before), -1).all(axis=1)
+        finite_after = np.isfinite(after).reshape(len(after), -1).all(axis=1)
+        in_scale = np.sqrt(np.square(before[..., 0]).sum(axis=1))
+        out_scale = np.sqrt(np.square(out_norms).sum(axis=1))
+        scale = np.fmax(in_scale, out_scale)  # fmax: a non-finite output norm does not poison it
+        error = np.sqrt(np.square(after[..., 1:] - before[..., 1:]).mean(axis=-1))
+        denominator = np.fmax(before[..., 0], FLOOR * scale[:, None])
+        # Input and output exactly zero: any rebuilt value is wrong.
+        zero = np.where(error > 0, math.inf, 0.0)
+        drift = np.where(denominator == 0, zero, error / np.where(denominator == 0, 1.0, denominator))
+        which = np.argmax(drift, axis=1)  # like torch.max: a NaN wins
+        worst = np.take_along_axis(drift, which[:, None], axis=1)[:, 0]
+    halves = np.full(len(before), before.shape[1])
+    return np.stack([finite_before, finite_after, worst, which, halves], axis=1).astype(np.float64)
 
 
 def _check_one(

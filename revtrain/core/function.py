@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
-from revtrain.core.checks import Fingerprints, RebuildCheck, check_rebuilds, layout_of
+from revtrain.core.checks import Fingerprints, check_run, layout_of
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
 from revtrain.core.replay import AutocastState, ModuleTensors
@@ -109,17 +109,23 @@ class _ReversibleRun(torch.autograd.Function):
             # A layer's output scale is the next layer's input fingerprint when there is one.
             if due[i] and not (i + 1 < len(layers) and due[i + 1]):
                 output_prints[i] = taken.add(xs)
-        found = taken.results()
-        prints = [found[k] if k is not None else None for k in inputs]
-        out_norms = [
-            None if k is None else found[output_prints[i] if i in output_prints else inputs[i + 1]][:, 0]  # type: ignore[index]
-            for i, k in enumerate(inputs)
-        ]
+        # The checked layers' input fingerprints and output norms, one tensor each for the run,
+        # top layer first: the order backward meets them (a non-finite rebuild is blamed on
+        # the first layer it appears in).
+        checked = [i for i in reversed(range(len(layers))) if inputs[i] is not None]
+        ctx.checked = checked
+        ctx.layouts = layouts
+        if checked:
+            # Each state once: a layer's output is the next layer's input where both are checked.
+            ends = [output_prints[i] if i in output_prints else inputs[i + 1] for i in checked]
+            starts = [inputs[i] for i in checked]
+            states = sorted(set(starts) | set(ends))  # type: ignore[arg-type]
+            row = {k: r for r, k in enumerate(states)}
+            ctx.prints = taken.stacked(states)  # type: ignore[arg-type]
+            ctx.print_rows = ([row[k] for k in starts], [row[k] for k in ends])
+        del taken
         ctx.run = run
         ctx.records = records
-        ctx.prints = prints
-        ctx.layouts = layouts
-        ctx.out_norms = out_norms
         ctx.autocast = AutocastState.capture(xs[0].device)
         ctx.set_materialize_grads(False)
         outputs = xs if run.join_dim is None else (torch.cat(xs, dim=run.join_dim),)
@@ -165,7 +171,7 @@ class _ReversibleRun(torch.autograd.Function):
         param_grads: list[list[Tensor | None]] = [[] for _ in range(n)]
         extra_grads: list[Tensor | None] = [None] * run.n_extra
         rebuilt = Fingerprints()
-        checked: list[tuple[int, int]] = []  # (layer, its rebuilt input's index in `rebuilt`)
+        rebuilt_at: dict[int, int] = {}  # layer -> its rebuilt input's index in `rebuilt`
         need_first = any(ctx.needs_input_grad[1:first_extra])
         # Backward runs with grad mode off; the rebuild needs graphs.
         # The state and its gradient travel as lists that a step may empty once it has taken
@@ -180,8 +186,8 @@ class _ReversibleRun(torch.autograd.Function):
             param_grads[i] = result.param_grads
             if result.extra_grads:
                 extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
-            if ctx.prints[i] is not None:
-                checked.append((i, rebuilt.add(result.inputs, ctx.layouts[i])))
+            if ctx.layouts[i] is not None:
+                rebuilt_at[i] = rebuilt.add(result.inputs, ctx.layouts[i])
 
         with torch.enable_grad(), ctx.autocast.context():
             if run.overlap and supports_phases(layers):
@@ -214,14 +220,14 @@ class _ReversibleRun(torch.autograd.Function):
                     state, grad_state = list(result.inputs), list(result.grad_inputs)
                     del result
         _hand_over(ctx, tuple(state))
-        found = rebuilt.results()
-        check_rebuilds([
-            RebuildCheck(
-                layers[i], functools.partial(_where, layers[i], i, n), ctx.prints[i], found[k],
-                ctx.out_norms[i], getattr(layers[i], "output_names", None),
+        if ctx.checked:
+            after = rebuilt.stacked([rebuilt_at[i] for i in ctx.checked])
+            starts, ends = ctx.print_rows
+            check_run(
+                [layers[i] for i in ctx.checked],
+                lambda k: _where(layers[ctx.checked[k]], ctx.checked[k], n),
+                ctx.prints[starts], after, ctx.prints[ends][..., 0],
             )
-            for i, k in checked
-        ])
         dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]
         return (None, *dxs, *extra_grads, *flat)
