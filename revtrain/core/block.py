@@ -156,7 +156,12 @@ class ReversibleBlock(Invertible):
 
     @property
     def roles(self) -> _Roles:
-        return _Roles(self.f, self.g, "F", "G", self.coupling)
+        # Made once per (F, G, coupling): this runs for every block call.
+        f, g, coupling = self._modules["f"], self._modules["g"], self.coupling
+        roles = self.__dict__.get("_roles")
+        if roles is None or roles.f is not f or roles.g is not g or roles.coupling is not coupling:
+            roles = self.__dict__["_roles"] = _Roles(f, g, "F", "G", coupling)  # type: ignore[arg-type]
+        return roles
 
     @property
     def inverse_roles(self) -> _Roles:

@@ -238,7 +238,8 @@ _plans: dict[tuple[int, torch.Size, torch.dtype, torch.device], _Plan] = {}
 
 def _slab(x: Tensor, plan: _Plan) -> Tensor:
     """``x`` as its plan's ``(A, R, L)`` slab: a view where strides allow, else a copy."""
-    x = x.detach()
+    if x.requires_grad:
+        x = x.detach()
     try:
         slab = x.view(plan.shape)
     except RuntimeError:  # a strided tensor fingerprinted with another tensor's layout
