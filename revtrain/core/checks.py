@@ -506,11 +506,11 @@ def check_rebuilds(checks: Sequence[RebuildCheck]) -> list[float]:
     errors: list[float] = [math.nan] * len(checks)
     names: list[str] = [""] * len(checks)
     for members in groups.values():
-        summary = _summarise(
-            _on_host(torch.stack([checks[k].before for k in members])),
-            _on_host(torch.stack([checks[k].after for k in members])),
-            _on_host(torch.stack([checks[k].output_norms.reshape(-1) for k in members])),
-        )
+        summary = _summarise(*_on_host(
+            torch.stack([checks[k].before for k in members]),
+            torch.stack([checks[k].after for k in members]),
+            torch.stack([checks[k].output_norms.reshape(-1) for k in members]),
+        ))
         group_errors, group_names = _read(summary, lambda m: checks[members[m]])
         for m, k in enumerate(members):
             errors[k], names[k] = group_errors[m], group_names[m]
@@ -528,7 +528,7 @@ def check_run(
     """:func:`check_rebuilds` for layers whose fingerprints are stacked already (an M-mode
     run's checked layers): ``before``/``after`` ``(layers, halves, 1 + PROJECTIONS)``,
     ``output_norms`` ``(layers, m)``; ``where(k)`` names layer ``k``. The arithmetic of all
-    layers runs at once on the host (three copies from a GPU, one sync); a
+    layers runs at once on the host (one copy from a GPU, one sync); a
     :class:`RebuildCheck` is made only for a layer a message names (per-layer tensors were
     most of the check's cost on small tensors)."""
     if not layers:
@@ -539,7 +539,7 @@ def check_run(
         return RebuildCheck(layer, functools.partial(where, k), before[k], after[k], output_norms[k],
                             getattr(layer, "output_names", None))
 
-    errors, names = _read(_summarise(_on_host(before), _on_host(after), _on_host(output_norms)), check)
+    errors, names = _read(_summarise(*_on_host(before, after, output_norms)), check)
     _report(errors, names, layers, check)
     return errors
 
@@ -576,13 +576,15 @@ def _report(errors: list[float], names: list[str], layers: Sequence[object], che
         warnings.warn(message, ReconstructionDriftWarning, stacklevel=4)
 
 
-def _on_host(t: Tensor) -> np.ndarray:
-    """``t`` as a float64 array in host memory: one copy (and one sync) from a GPU, none from
-    the CPU."""
-    t = t.detach()
-    if t.device.type == "cpu":
-        return t.numpy().astype(np.float64, copy=False)
-    return t.to("cpu", torch.float64).numpy()
+def _on_host(*tensors: Tensor, gather: bool | None = None) -> list[np.ndarray]:
+    """The tensors as float64 arrays in host memory: from a GPU in one copy (one sync), from
+    the CPU without a copy. ``gather`` forces the one-copy path (a test runs it on the CPU)."""
+    tensors = tuple(t.detach() for t in tensors)
+    if not (tensors[0].device.type != "cpu" if gather is None else gather):
+        return [t.numpy().astype(np.float64, copy=False) for t in tensors]
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+    sizes = np.cumsum([t.numel() for t in tensors])[:-1]
+    return [part.reshape(t.shape) for part, t in zip(np.split(flat, sizes), tensors)]
 
 
 def _summarise(before: np.ndarray, after: np.ndarray, out_norms: np.ndarray) -> np.ndarray:

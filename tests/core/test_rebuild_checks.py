@@ -309,3 +309,16 @@ def test_row_projections_on_cpu_equal_the_batched_product(monkeypatch, shape, ch
     assert (plan.complex_u is not None) == (plan.shape[2] % 2 == 0)
     slab = checks._slab(half, plan)
     torch.testing.assert_close(checks._row_projections(slab, plan), torch.bmm(slab, plan.u), rtol=1e-12, atol=1e-12)
+
+
+def test_fingerprints_reach_the_host_in_one_copy_with_the_same_values():
+    """From a GPU the check copies before, after and output norms to the host together (one
+    sync); that path, forced on the CPU, gives exactly the arrays read in place."""
+    from revtrain.core.checks import _on_host
+
+    torch.manual_seed(0)
+    tensors = (torch.randn(3, 2, 65, dtype=torch.float64), torch.randn(3, 2, 65, dtype=torch.float64),
+               torch.randn(3, 2, dtype=torch.float32))
+    for direct, gathered in zip(_on_host(*tensors), _on_host(*tensors, gather=True)):
+        assert direct.dtype == gathered.dtype and direct.shape == gathered.shape
+        assert (direct == gathered).all()
