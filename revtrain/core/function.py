@@ -30,7 +30,8 @@ import torch
 from torch import Tensor
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
-from revtrain.core.checks import Fingerprints, check_run, layout_of
+from revtrain.core.checks import check_run
+from revtrain.core.fingerprint import Fingerprints, layout_of
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
 from revtrain.core.replay import AutocastState, ModuleTensors

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from revtrain.core import ReversibleBlock, ReversibleSequence
-from revtrain.core.checks import RebuildCheck, _as_slabs, check_rebuilds, fingerprint, layout_of
+from revtrain.core.checks import RebuildCheck, check_rebuilds
+from revtrain.core.fingerprint import _as_slabs, fingerprint, layout_of
 from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 
 from .helpers import conv_fn, make_stack
@@ -226,7 +227,7 @@ def test_rebuilt_contiguous_halves_compare_with_strided_originals(split_dim, sha
 def test_check_every_samples_the_layers_staggered_and_covers_each_in_turn(monkeypatch):
     """``check_every=2``: each step fingerprints half of a run's blocks (forward and rebuild),
     alternating, so two steps check every block once."""
-    from revtrain.core.checks import Fingerprints
+    from revtrain.core.fingerprint import Fingerprints
 
     seen: list[bool] = []  # per fingerprint taken: was it of an input (forward or rebuild)?
     original = Fingerprints.add
@@ -298,7 +299,7 @@ def test_a_drift_message_on_cuda_names_tf32_when_it_is_allowed(monkeypatch):
 def test_row_projections_on_cpu_equal_the_batched_product(monkeypatch, shape, chunk):
     """The CPU path (complex multiply-and-sum in chunks) computes what the batched product
     computes, for every way of chunking, odd row lengths (the batched product) included."""
-    from revtrain.core import checks
+    from revtrain.core import fingerprint as checks
 
     monkeypatch.setattr(checks, "_CHUNK", chunk)
     monkeypatch.setattr(checks, "_COMPLEX_MIN", 0)  # small tensors take it too here

@@ -1,0 +1,425 @@
+"""Fingerprints of tensors: random projections that see an error in any direction.
+
+A fingerprint of a tensor ``x`` is :data:`PROJECTIONS` random projections of it and an estimate
+of its norm, from one pass over the data. ``x`` is seen (as a view, no copy) as ``A × R`` rows
+of ``L`` contiguous values; one product gives each row's projection onto two fixed random
+vectors ``u_1, u_2`` (``W = X u``, two numbers per row), and fixed random vectors across ``A``
+(4) and across ``R`` (8) fold those into 2 × 4 × 8 numbers. Each projection is onto a rank-one
+random tensor ``s_A ⊗ s_R ⊗ u``, whose projection of an error ``E`` has mean square ``‖E‖²``;
+the root mean square of the differences over all projections estimates ``‖Δx‖`` in whatever
+direction the error lies. (A norm alone misses errors orthogonal to ``x``: a 1% random error
+moves the norm by 1e-4, a rotation not at all.) Two vectors ``u`` keep an error that is the same
+in every row (a per-channel offset) from hiding in the one direction a single ``u`` cannot see.
+The norm estimate is ``‖W‖ / √2`` (within a few percent for hundreds of rows); rows are made
+no longer than leaves :data:`EXACT_NORM_ROWS` of them where the strides allow, and smaller
+tensors pay one more pass for the exact norm. The random vectors are drawn once per shape from
+a fixed seed (never from torch's global generators) and cached.
+
+The pass over the data and the fold are separate (:class:`Fingerprints`): each state costs one
+product per tensor when it is taken, and the fold runs once for all the states of a run, in
+the tensors' own precision whatever the autocast setting. On small tensors the cost is the
+number of ops, not the data: this cut it from ~15 ops per state to 2. On CPUs the product is a
+complex multiply-and-sum (:func:`_row_projections`): MKL's two-column batched product ran at a
+fraction of memory speed.
+
+``core/checks.py`` compares the fingerprints a rebuild gives with the forward's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["fingerprint", "Fingerprints", "layout_of", "norms", "Layout", "PROJECTIONS", "EXACT_NORM_ROWS"]
+
+ROW_VECTORS = 2
+"""Random vectors along the rows (both applied in one batched matrix product)."""
+
+PROJECTIONS = 64
+"""Random projections per tensor: 2 row vectors x 4 vectors across ``A`` x 8 across ``R``."""
+
+EXACT_NORM_ROWS = 64
+"""Below this many rows the norm estimate is too rough: compute the norm exactly."""
+
+_MAX_ROW = 4096
+_SEED = 0x5EED
+_FOLD_A, _FOLD_R = 4, 8  # random vectors across the two row dimensions: 2 x 4 x 8 = 64 projections
+_vectors: dict[tuple[int, int, int, torch.dtype, torch.device], tuple[Tensor, Tensor | None, Tensor, Tensor]] = {}
+
+Layout = tuple[int, ...]
+"""Per tensor of a state, where its rows start (see :func:`layout_of`)."""
+
+
+def _row_start(x: Tensor) -> int:
+    """The first dimension of a row: trailing dimensions that are contiguous in memory, up to
+    :data:`_MAX_ROW` values (the last one always), leaving at least one dimension before and,
+    where the tensor allows, :data:`EXACT_NORM_ROWS` rows (enough for the norm estimate)."""
+    if x.dim() < 2 or (x.stride(-1) != 1 and x.shape[-1] != 1):
+        return max(x.dim() - 1, 0)
+    k, length, total = x.dim() - 1, x.shape[-1], x.numel()
+    while k > 1 and x.stride(k - 1) == length and length * x.shape[k - 1] <= _MAX_ROW:
+        longer = length * x.shape[k - 1]
+        if total < longer * EXACT_NORM_ROWS and _merges(x, k - 1):
+            break  # rows as long as they can be while enough remain
+        length = longer
+        k -= 1
+    return k
+
+
+def _merges(x: Tensor, n: int) -> bool:
+    """Whether the first ``n`` dimensions of ``x`` can be viewed as one."""
+    return all(x.stride(j) == x.stride(j + 1) * x.shape[j + 1] or x.shape[j] == 1 for j in range(n - 1))
+
+
+def layout_of(state: Sequence[Tensor]) -> Layout:
+    """How each tensor of ``state`` is cut into rows; a rebuild is fingerprinted with the
+    forward's layout, so that a contiguous rebuild compares with a strided original."""
+    return tuple(_row_start(x) for x in state)
+
+
+def _slab_shape(x: Tensor, k: int) -> tuple[int, int, int]:
+    """``(A, R, L)``: dims ``[0, k-1)``, dim ``k-1`` and dims ``[k, ...)`` of ``x`` merged."""
+    if x.dim() < 2:
+        return (1, 1, x.numel())
+    return (math.prod(x.shape[: k - 1]), x.shape[k - 1], math.prod(x.shape[k:]))
+
+
+def _as_slabs(x: Tensor, k: int) -> Tensor:
+    """``x`` as ``(A, R, L)`` (:func:`_slab_shape`).
+
+    A view where strides allow (a half split off a contiguous ``(B, C, H, W)`` tensor is the view
+    ``(B, C/2, H·W)``; a half of ``(B, T, D)`` split on the last dimension ``(B, T, D/2)``), a
+    copy otherwise (a strided tensor fingerprinted with another tensor's layout).
+    """
+    shape = _slab_shape(x, k)
+    try:
+        return x.view(shape)
+    except RuntimeError:
+        return x.reshape(shape)
+
+
+def _random_vectors(
+    a: int, rows: int, length: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """The row vectors ``u / sqrt(ROW_VECTORS)`` as ``(A, L, 2)`` for a batched product, the
+    same two vectors as one complex vector where ``L`` is even (see :func:`_row_vectors`),
+    ``s_A`` and ``sqrt(ROW_VECTORS) · s_R``: the scale moved from the fold onto ``u`` makes
+    ``‖W‖`` the norm estimate itself (one op fewer per fingerprint), with the projections
+    unchanged."""
+    key = (a, rows, length, dtype, device)
+    cached = _vectors.get(key)
+    if cached is None:
+        gen = torch.Generator().manual_seed(_SEED + 1_000_003 * length + 1009 * rows + a)
+        u = _row_vectors(length, gen)
+        s_a = _typical_sums(torch.randn(a, _FOLD_A, generator=gen, dtype=torch.float64))
+        s_r = _typical_sums(torch.randn(rows, _FOLD_R, generator=gen, dtype=torch.float64))
+        root = math.sqrt(ROW_VECTORS)
+        complex_u = None
+        if length % 2 == 0 and not dtype.is_complex:
+            # v1 = (a, -b), v2 = (b, a) interleaved: x · (a + ib), summed, has v1·x and v2·x as
+            # its real and imaginary parts.
+            complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+            complex_u = torch.complex(u[0::2, 0], u[0::2, 1]).div(root).to(device=device, dtype=complex_dtype)
+        u, s_a, s_r = (t.to(device=device, dtype=dtype) for t in (u / root, s_a, s_r * root))
+        # A contiguous batch of u's multiplies faster than a broadcast view (small tensors are
+        # bound by per-op cost); large batches keep the view instead of a large copy.
+        batched = u.expand(a, length, ROW_VECTORS)
+        cached = (batched.contiguous() if batched.numel() <= _MAX_PENDING else batched, complex_u, s_a, s_r)
+        _vectors[key] = cached
+    return cached
+
+
+def _row_vectors(length: int, gen: torch.Generator) -> Tensor:
+    """``(L, 2)`` float64: two random vectors along the rows whose sums are ``sqrt(L)``.
+
+    For even ``L`` they come from ``L/2`` random complex numbers ``a_k + i b_k``: ``v1`` holds
+    ``(a_k, -b_k)`` and ``v2`` holds ``(b_k, a_k)`` interleaved, so that one complex
+    multiply-and-sum over a row (seen as ``L/2`` complex numbers) gives both projections in one
+    pass (:func:`_row_projections`). ``Σa = sqrt(L)`` and ``Σb = 0`` make both sums ``sqrt(L)``:
+    see :func:`_typical_sums` for why the sums are fixed.
+    """
+    if length % 2:
+        return _typical_sums(torch.randn(length, ROW_VECTORS, generator=gen, dtype=torch.float64))
+    half = length // 2
+    ab = torch.randn(half, 2, generator=gen, dtype=torch.float64)
+    ab = ab - ab.mean(dim=0, keepdim=True)
+    a, b = ab[:, 0] + math.sqrt(length) / half, ab[:, 1]
+    u = torch.empty(length, ROW_VECTORS, dtype=torch.float64)
+    u[0::2, 0], u[1::2, 0] = a, -b
+    u[0::2, 1], u[1::2, 1] = b, a
+    return u
+
+
+def _typical_sums(vectors: Tensor) -> Tensor:
+    """Random column vectors whose sums are ``±sqrt(n)``, their typical size.
+
+    An error that is the same all along one axis (a per-channel offset: the same in every
+    position of a row, and in every sample) reaches a projection only through the sum of the
+    random vector along that axis. Left to chance, a sum near zero would hide such errors for
+    every tensor of that shape; fixed at its typical size, they are seen like any other.
+    """
+    n = vectors.shape[0]
+    signs = torch.tensor([(-1.0) ** j for j in range(vectors.shape[1])], dtype=vectors.dtype)
+    return vectors - vectors.mean(dim=0, keepdim=True) + signs / math.sqrt(n)
+
+
+class _Plan(NamedTuple):
+    """How to fingerprint a tensor of one shape, dtype, device and row layout."""
+
+    shape: tuple[int, int, int]
+    """The ``(A, R, L)`` slab view."""
+    upcast: bool
+    """Half precision: the products run in float32 (they would round coarsely)."""
+    u: Tensor | None
+    """The row vectors, ``(A, L, 2)`` (None for an empty tensor)."""
+    complex_u: Tensor | None
+    """The same as one complex vector, on CPUs (None where ``L`` is odd, or on other devices)."""
+    fold: tuple[Tensor, ...] | None
+    """How :func:`_fold_rows` folds ``W``: ``(s_A ⊗ s_R,)`` as one ``(A·R, 32)`` matrix, or
+    ``(s_A, s_R)`` where that matrix would be large."""
+    exact_norm: bool
+    """Too few rows for the norm estimate."""
+    values: int
+    """Values of ``W`` it produces."""
+
+    @classmethod
+    def of(cls, x: Tensor, k: int) -> _Plan:
+        a, r, length = _slab_shape(x, k)
+        upcast = x.dtype in (torch.float16, torch.bfloat16)
+        if not x.numel():
+            return cls((a, r, length), upcast, None, None, None, False, 0)
+        u, complex_u, s_a, s_r = _random_vectors(a, r, length, torch.float32 if upcast else x.dtype, x.device)
+        if x.device.type != "cpu" or x.numel() < _COMPLEX_MIN:
+            # cuBLAS does the batched product at memory speed; on small tensors one op is
+            # cheaper than the complex path's few.
+            complex_u = None
+        if a * r <= _MAX_KRON_ROWS:  # one product folds W (4 ops fewer, for small tensors)
+            fold: tuple[Tensor, ...] = (torch.einsum("ap,rq->arpq", s_a, s_r).reshape(a * r, _FOLD_A * _FOLD_R),)
+        else:
+            fold = (s_a, s_r)
+        return cls((a, r, length), upcast, u, complex_u, fold, a * r < EXACT_NORM_ROWS, a * r * ROW_VECTORS)
+
+
+_plans: dict[tuple[int, torch.Size, torch.dtype, torch.device], _Plan] = {}
+
+
+def _slab(x: Tensor, plan: _Plan) -> Tensor:
+    """``x`` as its plan's ``(A, R, L)`` slab: a view where strides allow, else a copy."""
+    if x.requires_grad:
+        x = x.detach()
+    try:
+        slab = x.view(plan.shape)
+    except RuntimeError:  # a strided tensor fingerprinted with another tensor's layout
+        slab = x.reshape(plan.shape)
+    return slab.float() if plan.upcast else slab
+
+
+def _row_projections(slab: Tensor, plan: _Plan) -> Tensor:
+    """``W = X u``: ``(A, R, 2)``, each row's projections onto the two row vectors.
+
+    On CPUs, one complex multiply-and-sum (the row seen as ``L/2`` complex numbers) in chunks
+    of at most :data:`_CHUNK` values: a batched matrix product with two columns runs at a
+    fraction of memory speed there (MKL: 600 µs for a (32, 32, 1024) float32 slab, 180 µs this
+    way), and the chunks bound the temporary of the product.
+    """
+    if plan.complex_u is not None:
+        a, r, length = plan.shape
+        try:
+            xc = torch.view_as_complex(slab.view(a, r, length // 2, 2))
+        except RuntimeError:  # an odd stride or offset (a strided half): the batched product
+            return torch.bmm(slab, plan.u)  # type: ignore[arg-type]
+        out = torch.empty((a, r), dtype=plan.complex_u.dtype)
+        rows = max(1, _CHUNK // (length // 2))
+        if a * r <= rows:
+            torch.sum(xc * plan.complex_u, dim=-1, out=out)
+        elif r <= rows:
+            step = rows // r
+            for i in range(0, a, step):
+                torch.sum(xc[i : i + step] * plan.complex_u, dim=-1, out=out[i : i + step])
+        else:
+            for i in range(a):
+                for j in range(0, r, rows):
+                    torch.sum(xc[i, j : j + rows] * plan.complex_u, dim=-1, out=out[i, j : j + rows])
+        return torch.view_as_real(out)
+    return torch.bmm(slab, plan.u)  # type: ignore[arg-type]
+
+
+_COMPLEX_MIN = 1 << 15
+"""Values from which a CPU tensor takes the complex path of :func:`_row_projections`."""
+
+_CHUNK = 1 << 17
+"""Complex values multiplied at a time by :func:`_row_projections` (a 1 MiB temporary)."""
+
+_MAX_PENDING = 1 << 16
+"""Row projections (values) kept before :class:`Fingerprints` folds them: 256 KiB in float32."""
+
+
+class Fingerprints:
+    """Fingerprints of many states, each read once when added and folded together later.
+
+    :meth:`add` does the one pass over a state's data (a batched matrix product per tensor,
+    giving its row projections ``W``); the few small ops that fold ``W`` into norms and
+    projections run once for many states (on small tensors the number of ops, not the data, is
+    the check's cost). At most :data:`_MAX_PENDING` values of ``W`` wait to be folded.
+    """
+
+    def __init__(self) -> None:
+        self._done: list[Tensor] = []  # per state folded (see _unsplit)
+        self._folded = 0  # states folded
+        self._batch: Tensor | None = None  # every state folded at once: (states, n, 1 + P)
+        self._unsplit: tuple[Tensor, list[int]] | None = None  # the batch not yet in _done
+        # Per state: its length, and per tensor W (None when empty) with its plan's fold, and
+        # the exact norm (small tensors only).
+        self._pending: list[tuple[int, list[tuple[Tensor, tuple[Tensor, ...]] | None], list[Tensor | None]]] = []
+        self._pending_values = 0
+
+    def add(self, state: Sequence[Tensor], layout: Layout | None = None) -> int:
+        """Take the fingerprint of ``state`` (cut into rows by ``layout``, default its own);
+        returns its index into :meth:`results`."""
+        layout = layout_of(state) if layout is None else layout
+        rows: list[tuple[Tensor, tuple[Tensor, ...]] | None] = []
+        exact: list[Tensor | None] = []
+        with _full_precision(state[0].device):
+            for x, k in zip(state, layout):
+                # This runs for every layer, twice a step: what depends only on the shape is
+                # looked up once (on small tensors Python, not the data, is the cost).
+                plan = _plans.get((k, x.shape, x.dtype, x.device))
+                if plan is None:
+                    plan = _plans[(k, x.shape, x.dtype, x.device)] = _Plan.of(x, k)
+                if plan.u is None:  # empty
+                    rows.append(None)
+                    exact.append(None)
+                    continue
+                slab = _slab(x, plan)
+                rows.append((_row_projections(slab, plan), plan.fold))  # W: (A, R, 2)
+                # Too few rows for the norm estimate: the exact norm.
+                exact.append(torch.linalg.vector_norm(slab) if plan.exact_norm else None)
+                self._pending_values += plan.values
+        index = self._folded + len(self._pending)
+        self._pending.append((len(state), rows, exact))
+        if self._pending_values > _MAX_PENDING:
+            self._fold()
+        return index
+
+    def stacked(self, indices: Sequence[int]) -> Tensor:
+        """The fingerprints of the states at ``indices``, stacked: ``(len(indices), n,
+        1 + PROJECTIONS)`` for states of ``n`` tensors each (one indexing op in the usual case,
+        where every state was folded at once)."""
+        self._fold()
+        if self._batch is not None:
+            return self._batch[list(indices)]
+        return torch.stack([self.results()[i] for i in indices])
+
+    def results(self) -> list[Tensor]:
+        """Per state added, in order: ``(len(state), 1 + PROJECTIONS)`` float64."""
+        self._fold()
+        self._split()
+        return self._done
+
+    def _split(self) -> None:
+        if self._unsplit is not None:
+            out, counts = self._unsplit
+            self._done.extend(out.split(counts))
+            self._unsplit = None
+
+    def _fold(self) -> None:
+        if not self._pending:
+            return
+        flat = [(w, e) for _, rows, exact in self._pending for w, e in zip(rows, exact)]
+        groups: dict[tuple, list[int]] = {}
+        for j, (row, _) in enumerate(flat):
+            if row is not None:  # one group per shape of tensor: the same fold vectors
+                groups.setdefault((row[0].shape, id(row[1])), []).append(j)
+        counts = [n for n, _, _ in self._pending]
+        outs = {}
+        for key, members in groups.items():
+            w, fold = flat[members[0]][0]  # type: ignore[misc]
+            with _full_precision(w.device):
+                out = _fold_rows([flat[j][0][0] for j in members], fold)  # type: ignore[index]
+            if flat[members[0]][1] is not None:  # too few rows for the estimate (same shapes)
+                out[:, 0] = torch.stack([flat[j][1] for j in members]).to(out.dtype)  # type: ignore[misc]
+            outs[key] = out
+        if len(groups) == 1 and len(flat) == len(next(iter(groups.values()))):
+            # The usual case, one shape throughout: each state is a slice of one tensor.
+            out = next(iter(outs.values()))
+            first_fold = not self._folded
+            same = all(n == counts[0] for n in counts)
+            self._split()
+            if first_fold and same:
+                # Per-state views only when asked for (results()); stacked() reads the batch.
+                self._batch, self._unsplit = out.view(len(counts), counts[0], -1), (out, counts)
+            else:
+                self._batch = None
+                self._done.extend(out.split(counts))
+        else:
+            folded: list[Tensor | None] = [None] * len(flat)
+            for key, members in groups.items():
+                for j, row in zip(members, outs[key].unbind(0)):
+                    folded[j] = row
+            self._batch = None
+            self._split()
+            device = next(iter(outs.values())).device if outs else None
+            start = 0
+            for n in counts:
+                self._done.append(_assemble(folded[start : start + n], device))
+                start += n
+        self._folded += len(counts)
+        self._pending, self._pending_values = [], 0
+
+
+def _full_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off (the check's products in the tensors' own precision), where it is on."""
+    device_type = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _fold_rows(ws: list[Tensor], fold: tuple[Tensor, ...]) -> Tensor:
+    """``(len(ws), 1 + PROJECTIONS)`` float64: norm estimates and projections of same-shaped
+    row projections ``W`` (``(A, R, 2)`` each), in one or two small matrix products (an einsum
+    here cost several times the pass over the data)."""
+    w = torch.stack(ws) if len(ws) > 1 else ws[0].unsqueeze(0)  # (n, A, R, 2)
+    n, a, rows, _ = w.shape
+    if len(fold) == 1:  # s_A ⊗ s_R as one matrix: (n, 2, A·R) @ (A·R, 32)
+        projections = torch.matmul(w.view(n, a * rows, ROW_VECTORS).transpose(1, 2), fold[0])
+    else:
+        s_a, s_r = fold
+        across_a = torch.matmul(s_a.T, w.view(n, a, rows * ROW_VECTORS))  # (n, 4, R * 2)
+        per_row_vector = across_a.view(n, _FOLD_A, rows, ROW_VECTORS).transpose(2, 3)  # (n, 4, 2, R)
+        projections = torch.matmul(per_row_vector, s_r).transpose(1, 2)  # (n, 2, 4, 8)
+    norm = torch.linalg.vector_norm(w.view(n, -1), dim=1, keepdim=True)
+    return torch.cat([norm, projections.reshape(n, PROJECTIONS)], dim=1).to(torch.float64)
+
+
+_MAX_KRON_ROWS = 1 << 14
+"""Rows (``A·R``) up to which ``s_A ⊗ s_R`` is kept as one matrix (2 MiB in float32)."""
+
+
+def _assemble(parts: list[Tensor | None], device: torch.device | None) -> Tensor:
+    """One state's fingerprint from its tensors' rows (zeros for empty tensors)."""
+    zeros = torch.zeros(1 + PROJECTIONS, dtype=torch.float64, device=device)
+    return torch.stack([zeros if part is None else part for part in parts])
+
+
+def fingerprint(state: Sequence[Tensor], layout: Layout | None = None) -> Tensor:
+    """``(len(state), 1 + PROJECTIONS)`` float64: each tensor's norm and random projections.
+
+    Args:
+        state: The tensors.
+        layout: How to cut them into rows (:func:`layout_of`); default: their own layout.
+            Compare two fingerprints only when they were taken with the same layout.
+    """
+    prints = Fingerprints()
+    prints.add(state, layout)
+    return prints.results()[0]
+
+
+def norms(state: Sequence[Tensor]) -> Tensor:
+    """The norm of each tensor of ``state`` (float64, estimated as in :func:`fingerprint`)."""
+    return fingerprint(state)[:, 0]
