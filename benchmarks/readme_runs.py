@@ -60,11 +60,11 @@ def run_one(name: str, command: str, folder: Path) -> dict:
     }
 
 
-def to_markdown(rows: list[dict], device: str, started: str) -> str:
+def to_markdown(rows: list[dict], device: str, started: str, command: str = "python benchmarks/readme_runs.py") -> str:
     lines = [
         "# README training figures, re-measured",
         "",
-        f"- command: `python benchmarks/readme_runs.py` (each run a fresh process, one after another)",
+        f"- command: `{command}` (each run a fresh process, one after another)",
         f"- device: {device}, torch {_torch_version()}, {os.cpu_count()} CPUs; date {started}",
         "",
         "| run | command | headline | training time | samples/s | step memory (run) | plain backprop | load before → after |",
@@ -76,9 +76,13 @@ def to_markdown(rows: list[dict], device: str, started: str) -> str:
         value = s.get(f"test_{head}")
         headline = f"test {head} {value:.4g}" if isinstance(value, float) else "–"
         mib = lambda b: f"{b / 2**20:.2f} MiB" if b else "–"  # noqa: E731
+        # Runs without a training time in their summary (PETRA's launcher) get the process's
+        # wall time, marked as such, rather than a zero.
+        time_cell = (f"{s['train_time_s']:.1f} s" if s.get("train_time_s") else f"{r['process_wall_s']:.1f} s wall")
+        rate = f"{s['samples_per_s']:.0f}" if s.get("samples_per_s") else "–"
         lines.append(
-            f"| {r['name']} | `{r['command']}` | {headline} | {s.get('train_time_s', 0):.1f} s | "
-            f"{s.get('samples_per_s') or 0:.0f} | {mib(s.get('step_peak_bytes'))} | {mib(s.get('plain_backprop_peak_bytes'))} | "
+            f"| {r['name']} | `{r['command']}` | {headline} | {time_cell} | "
+            f"{rate} | {mib(s.get('step_peak_bytes'))} | {mib(s.get('plain_backprop_peak_bytes'))} | "
             f"{r['load_before'][0]:.2f} → {r['load_after'][0]:.2f} |"
         )
     lines += ["", "What each printed at the end:", ""]
@@ -109,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"started": started, "rows": rows}, indent=2) + "\n")
-    out.with_suffix(".md").write_text(to_markdown(rows, "cpu", started) + "\n")
+    command = " ".join(["python benchmarks/readme_runs.py", *(argv if argv is not None else sys.argv[1:])])
+    out.with_suffix(".md").write_text(to_markdown(rows, "cpu", started, command) + "\n")
     print(f"wrote {out.with_suffix('.md')}")
     return 0
 
