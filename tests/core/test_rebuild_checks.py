@@ -323,3 +323,20 @@ def test_fingerprints_reach_the_host_in_one_copy_with_the_same_values():
     for direct, gathered in zip(_on_host(*tensors), _on_host(*tensors, gather=True)):
         assert direct.dtype == gathered.dtype and direct.shape == gathered.shape
         assert (direct == gathered).all()
+
+
+def test_row_projections_of_a_tensor_at_an_odd_offset_fall_back_to_the_batched_product(monkeypatch):
+    """A row of even length that does not start at an even offset cannot be seen as complex
+    numbers; the product is then the batched one, with the same values."""
+    from revtrain.core import fingerprint as fp
+
+    monkeypatch.setattr(fp, "_COMPLEX_MIN", 0)
+    monkeypatch.setattr(fp, "_plans", {})
+    torch.manual_seed(0)
+    x = torch.randn(1 + 8 * 4 * 16, dtype=torch.float64)[1:].view(8, 4, 16)  # storage offset 1
+    plan = fp._Plan.of(x, fp.layout_of([x])[0])
+    assert plan.complex_u is not None  # the plan would take the complex path...
+    slab = fp._slab(x, plan)
+    with pytest.raises(RuntimeError):
+        torch.view_as_complex(slab.view(*plan.shape[:2], plan.shape[2] // 2, 2))  # ...which cannot
+    torch.testing.assert_close(fp._row_projections(slab, plan), torch.bmm(slab, plan.u), rtol=1e-12, atol=1e-12)
