@@ -140,3 +140,27 @@ def test_unused_output_half_gets_zero_gradient(mode):
     r1, _ = twin((x1, x2))
     r1.square().sum().backward()
     assert_grads_close(grads(model), grads(twin), REL)
+
+
+@pytest.mark.parametrize("where", ["block", "global"])
+def test_hooks_on_c_mode_blocks_in_a_sequence_fire(where):
+    """A sequence runs hook-free C-mode blocks without the module call (3-4% of a small step);
+    a hook on a block, or a global module hook, puts the call back and fires once per block."""
+    model = _model()
+    for block in model:
+        block.mode = "C"
+    seen = []
+    hook = lambda module, inputs, output: seen.append(module)  # noqa: E731
+    if where == "block":
+        handles = [model[1].register_forward_hook(hook)]
+    else:
+        handles = [torch.nn.modules.module.register_module_forward_hook(hook)]
+    try:
+        out = model(_x())
+    finally:
+        for h in handles:
+            h.remove()
+    blocks_seen = [m for m in seen if m in list(model)]
+    assert blocks_seen == ([model[1]] if where == "block" else list(model))
+    twin = plain_twin(model)
+    torch.testing.assert_close(out, twin(_x()), rtol=0, atol=0)
