@@ -31,7 +31,7 @@ from torch import Tensor
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import check_run
-from revtrain.core.fingerprint import Fingerprints, layout_of
+from revtrain.core.fingerprint import FOLD_EVERY, Fingerprints, layout_of
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
 from revtrain.core.replay import AutocastState, ModuleTensors
@@ -175,7 +175,7 @@ class _ReversibleRun(torch.autograd.Function):
         n = len(layers)
         param_grads: list[list[Tensor | None]] = [[] for _ in range(n)]
         extra_grads: list[Tensor | None] = [None] * run.n_extra
-        rebuilt = Fingerprints()
+        rebuilt = Fingerprints(fold_every=FOLD_EVERY)  # folded as it goes: it waits through the peak
         rebuilt_at: dict[int, int] = {}  # layer -> its rebuilt input's index in `rebuilt`
         need_first = any(ctx.needs_input_grad[1:first_extra])
         # Backward runs with grad mode off; the rebuild needs graphs.

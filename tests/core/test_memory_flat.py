@@ -6,6 +6,7 @@ import torch
 
 from revtrain.core import set_modes
 from revtrain.core.checks import PROJECTIONS
+from revtrain.core.fingerprint import FOLD_EVERY, ROW_VECTORS, _slab_shape, layout_of
 from revtrain.memory import measure_peak
 
 from .helpers import make_stack
@@ -53,13 +54,16 @@ def test_m_mode_peak_equals_the_analysis_at_two_depths():
     gradient (2h, held by autograd for the run's whole backward call), and in the bottom block
     the rebuilt x2 and x1, dz1 (the gradient reaching y1), dx2 (so far), F's saved conv and tanh
     outputs and the two gradients of F's backward in flight (tanh's and batch norm's): 8h. So
-    12h, plus the parameter gradients computed so far (all but the bottom F's) and each block's
-    two check fingerprints (forward and rebuild, float64). Before the fix the run's loop and the
+    12h, plus the parameter gradients computed so far (all but the bottom F's) and the rebuild
+    check's state: the forward's fingerprints (one per block's input and one of the run's output,
+    float32) and, for each block above the bottom one, its rebuilt input's fingerprint, folded
+    in groups of ``FOLD_EVERY``, the last few still as row projections (two per row of each
+    half). Before the fix the run's loop and the
     block still held the bottom block's y1, y2, dy1, G's input gradient and the rebuilt state of
     the block above through F's backward: 18h here (in the core benchmark 72.3 MiB against
     revlib's 64.0 MiB; 56.3 MiB now).
     """
-    fingerprint_bytes = 2 * (1 + PROJECTIONS) * 8
+    fingerprint_bytes = 2 * (1 + PROJECTIONS) * 4  # two float32 halves
     for depth in (4, 16):
         torch.manual_seed(0)
         model = make_stack(depth, half=8)
@@ -74,6 +78,11 @@ def test_m_mode_peak_equals_the_analysis_at_two_depths():
             p.grad = None
         peak = measure_peak(step, "cpu")[1]
         grads_so_far = _conv_params_bytes(model) - _conv_params_bytes(model[0].f)
-        expected = 12 * half + grads_so_far + 2 * fingerprint_bytes * depth
+        a, rows, _ = _slab_shape(x[:, :8], layout_of([x[:, :8]])[0])
+        pending_bytes = 2 * (a * rows * ROW_VECTORS) * 4  # W of two float32 halves
+        above = depth - 1  # blocks rebuilt before the bottom one
+        folded, pending = above - above % FOLD_EVERY, above % FOLD_EVERY
+        check_bytes = fingerprint_bytes * (depth + 1 + folded) + pending_bytes * pending
+        expected = 12 * half + grads_so_far + check_bytes
         # Slack: a few hundred bytes of small tensors (the run's check sums, scalars).
         assert abs(peak - expected) < 1024, (depth, peak, expected, (peak - expected) / half)

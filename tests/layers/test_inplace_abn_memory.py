@@ -72,7 +72,7 @@ def test_what_each_layer_keeps_measured_at_two_depths(kind):
     per_layer = (extra[6] - extra[2]) / 4
     expected = EXTRA_ACTIVATIONS[kind] * ACT
     # Besides activations a layer keeps per-channel vectors (statistics) and in M-mode the rebuild
-    # check's fingerprint of its input (1 + PROJECTIONS float64): about 1 KiB, under 1% of an
+    # check's fingerprint of its input (1 + PROJECTIONS float32 values): 260 bytes, under 1% of an
     # activation here.
     assert expected <= per_layer <= expected + 0.01 * ACT, (kind, per_layer / ACT)
     assert expected * 2 <= extra[2] <= expected * 2 + 0.02 * ACT, (kind, extra[2] / ACT)
