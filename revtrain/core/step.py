@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol, Union
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import has_torch_function
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.replay import AutocastState, no_running_stat_updates
@@ -145,7 +146,7 @@ def autograd_grads(
     if not outs or not inputs:
         return [None] * len(inputs)
     inputs = tuple(inputs)
-    if torch._C._has_torch_function(inputs) or torch._C._has_torch_function(tuple(outs)):
+    if _ENGINE is None or has_torch_function(inputs) or has_torch_function(tuple(outs)):
         return list(torch.autograd.grad(outs, inputs, douts, allow_unused=True))
     # What torch.autograd.grad(outs, inputs, douts, allow_unused=True) runs, without its
     # argument handling (~15 µs a call, two calls per block in every M-mode backward): the
@@ -154,7 +155,8 @@ def autograd_grads(
     return list(_ENGINE.run_backward(tuple(outs), tuple(douts), False, False, inputs, True, False))
 
 
-_ENGINE = torch.autograd.Variable._execution_engine
+# The engine torch.autograd.grad calls (private; where a torch lacks it, the public call runs).
+_ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
 
 
 def reverse_step(
