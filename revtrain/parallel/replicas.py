@@ -45,13 +45,13 @@ from revtrain.parallel.data_parallel import full_state_dict, replicate, shard
 from revtrain.parallel.distributed import check_backend, init_from_env
 from revtrain.parallel.errors import PipelineConfigError
 from revtrain.parallel.launch import check_port, free_port, reporting_to_launcher, start_workers, watch
-from revtrain.tasks import add_sums
 from revtrain.train import Trainer
 from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
 from revtrain.train.divergence import TrainingDivergedError
 from revtrain.train.environment import resolve_device
 from revtrain.train.optim import build_optimizer, build_scheduler
 from revtrain.train.resume import ResolvedRun, resolve_run
+from revtrain.train.trainer import Batch
 
 __all__ = ["DataParallelTrainer", "launch_data_parallel", "run_data_parallel_rank", "UNSUPPORTED"]
 
@@ -162,29 +162,19 @@ class DataParallelTrainer(Trainer):
         sums, (loss_sum,) = self._all_sum(sums, [weighted])
         return (loss_sum / total).to(loss.dtype).reshape(()), sums
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        was_training = self.model.training
-        self.model.eval()
-        self.test_loader.set_epoch(0)
-        sums: dict[str, float] = {}
-        try:
-            for batch in self.test_loader:
-                x, y = (t.tensor_split(self.world)[self.rank] for t in batch)
-                empty = x.shape[0] == 0
-                if empty:  # a sharded model needs every rank in every forward: run one sample, count none
-                    x, y = batch[0][:1], batch[1][:1]
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                with self._autocast():
-                    output = self.model(x)
-                mine = self.task.batch_sums(output, y)
-                if empty:
-                    mine = {k: 0.0 for k in mine}
-                add_sums(sums, self._all_sum(mine, [])[0])
-                self._stop.check()
-        finally:
-            self.model.train(was_training)
-        return self.task.summarize(sums)
+    def _eval_sums(self, batch: Batch) -> dict[str, float]:
+        """This rank's slice of the test batch, its sums added over the ranks."""
+        x, y = (t.tensor_split(self.world)[self.rank] for t in batch)
+        empty = x.shape[0] == 0
+        if empty:  # a sharded model needs every rank in every forward: run one sample, count none
+            x, y = batch[0][:1], batch[1][:1]
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        with self._autocast():
+            output = self.model(x)
+        mine = self.task.batch_sums(output, y)
+        if empty:
+            mine = {k: 0.0 for k in mine}
+        return self._all_sum(mine, [])[0]
 
     def _all_sum(self, sums: Mapping[str, float], tensors: list[torch.Tensor]) -> tuple[dict[str, float], list[torch.Tensor]]:
         """Sum the task's sums (the same keys on every rank) and 1-element tensors over the ranks."""

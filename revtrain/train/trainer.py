@@ -392,14 +392,18 @@ class Trainer:
         sums: dict[str, float] = {}
         try:
             for batch in self.test_loader:
-                x, y = self._on_device(batch)
-                with self._autocast():
-                    output = self.model(x)
-                add_sums(sums, self.task.batch_sums(output, y))
+                add_sums(sums, self._eval_sums(batch))
                 self._stop.check()
         finally:
             self.model.train(was_training)
         return self.task.summarize(sums)
+
+    def _eval_sums(self, batch: Batch) -> dict[str, float]:
+        """The task's sums over one test batch (what :meth:`evaluate` adds up)."""
+        x, y = self._on_device(batch)
+        with self._autocast():
+            output = self.model(x)
+        return self.task.batch_sums(output, y)
 
     # ------------------------------------------------------------------ checkpoints
 
