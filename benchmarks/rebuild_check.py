@@ -31,7 +31,8 @@ import torch
 
 from revtrain.bench.machine import machine_info, machine_line
 from revtrain.core import ReversibleBlock
-from revtrain.core.checks import RebuildCheck, check_rebuilds, fingerprint, layout_of
+from revtrain.core.checks import RebuildCheck, check_rebuilds
+from revtrain.core.fingerprint import fingerprint, layout_of
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("random", "rotation", "one sample", "one entry", "channel offset")

@@ -25,14 +25,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from revtrain.core.fingerprint import PROJECTIONS, Fingerprints, fingerprint, layout_of, norms
+from revtrain.core.fingerprint import PROJECTIONS
 from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 
 __all__ = [
-    "fingerprint",
-    "Fingerprints",
-    "layout_of",
-    "norms",
     "check_rebuilds",
     "check_run",
     "PROJECTIONS",

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["fingerprint", "Fingerprints", "layout_of", "norms", "Layout", "PROJECTIONS", "EXACT_NORM_ROWS", "FOLD_EVERY"]
+__all__ = ["fingerprint", "Fingerprints", "layout_of", "Layout", "PROJECTIONS", "EXACT_NORM_ROWS", "FOLD_EVERY"]
 
 ROW_VECTORS = 2
 """Random vectors along the rows (both applied in one batched matrix product)."""
@@ -87,20 +87,6 @@ def _slab_shape(x: Tensor, k: int) -> tuple[int, int, int]:
     if x.dim() < 2:
         return (1, 1, x.numel())
     return (math.prod(x.shape[: k - 1]), x.shape[k - 1], math.prod(x.shape[k:]))
-
-
-def _as_slabs(x: Tensor, k: int) -> Tensor:
-    """``x`` as ``(A, R, L)`` (:func:`_slab_shape`).
-
-    A view where strides allow (a half split off a contiguous ``(B, C, H, W)`` tensor is the view
-    ``(B, C/2, H·W)``; a half of ``(B, T, D)`` split on the last dimension ``(B, T, D/2)``), a
-    copy otherwise (a strided tensor fingerprinted with another tensor's layout).
-    """
-    shape = _slab_shape(x, k)
-    try:
-        return x.view(shape)
-    except RuntimeError:
-        return x.reshape(shape)
 
 
 def _random_vectors(
@@ -209,7 +195,12 @@ _plans: dict[tuple[int, torch.Size, torch.dtype, torch.device], _Plan] = {}
 
 
 def _slab(x: Tensor, plan: _Plan) -> Tensor:
-    """``x`` as its plan's ``(A, R, L)`` slab: a view where strides allow, else a copy."""
+    """``x`` as its plan's ``(A, R, L)`` slab (:func:`_slab_shape`).
+
+    A view where strides allow (a half split off a contiguous ``(B, C, H, W)`` tensor is the view
+    ``(B, C/2, H·W)``; a half of ``(B, T, D)`` split on the last dimension ``(B, T, D/2)``), a
+    copy otherwise (a strided tensor fingerprinted with another tensor's layout).
+    """
     if x.requires_grad:
         x = x.detach()
     try:
@@ -427,8 +418,3 @@ def fingerprint(state: Sequence[Tensor], layout: Layout | None = None) -> Tensor
     prints = Fingerprints()
     prints.add(state, layout)
     return prints.results()[0]
-
-
-def norms(state: Sequence[Tensor]) -> Tensor:
-    """The norm of each tensor of ``state`` (estimated as in :func:`fingerprint`)."""
-    return fingerprint(state)[:, 0]

@@ -19,8 +19,8 @@ __all__ = ["ReversibleSequence"]
 
 def _callable_directly(block: ReversibleBlock) -> bool:
     """Whether calling ``block.forward_pair`` is exactly what calling the block would do: no
-    hooks anywhere (on the block or global), no tracing, the plain block call and a coupling
-    whose input and output hooks do nothing."""
+    hooks on the block, the plain block call and a coupling whose input and output hooks do
+    nothing (global hooks and tracing are the caller's to rule out)."""
     coupling = type(block.coupling)
     return (
         type(block).forward is ReversibleBlock.forward
@@ -29,8 +29,6 @@ def _callable_directly(block: ReversibleBlock) -> bool:
         and coupling.mark_output is Coupling.mark_output
         and not (block._forward_hooks or block._forward_pre_hooks or block._backward_hooks
                  or block._backward_pre_hooks)
-        and not _global_hooks()
-        and not torch._C._get_tracing_state()
     )
 
 
@@ -117,11 +115,14 @@ class ReversibleSequence(nn.Module):
         if inverse:
             blocks.reverse()
         grad = torch.is_grad_enabled()
+        # Hook-free C-mode blocks are called directly (see _callable_directly); global hooks and
+        # tracing hold for the whole call, so they are looked at once here.
+        direct = not inverse and not _global_hooks() and not torch._C._get_tracing_state()
         source: Any = value
         i, n = 0, len(blocks)
         while i < n:
             if not (grad and blocks[i].mode == "M"):
-                if not inverse and _callable_directly(blocks[i]):
+                if direct and _callable_directly(blocks[i]):
                     # What the block's call would do, without the per-call layers (module call,
                     # state checks of a state this sequence made, no-op coupling hooks): they
                     # were 3-4% of a small C-mode step.
