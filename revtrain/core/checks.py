@@ -25,12 +25,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from revtrain.core.fingerprint import PROJECTIONS
+from revtrain.core.fingerprint import FOLD_EVERY, PROJECTIONS, Fingerprints, Layout
 from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 
 __all__ = [
     "check_rebuilds",
-    "check_run",
+    "RunCheck",
     "PROJECTIONS",
     "FLOOR",
     "RebuildCheck",
@@ -47,7 +47,8 @@ class RebuildCheck:
         layer: Gives ``drift_tolerance`` and ``drift_action``.
         where: Names the layer in messages (or a function that returns the name).
         before: Fingerprint of the forward's input.
-        after: Fingerprint of the rebuilt input.
+        after: Fingerprint of the rebuilt input (None where only its comparison was kept:
+            :class:`RunCheck`).
         output_norms: Norms of the layer's output in the forward (its scale and finiteness).
         output_names: ``(output index, name)`` of what produced each output tensor, in the order
             they are computed, for blame (``((0, "F"), (1, "G"))`` for a block).
@@ -58,7 +59,7 @@ class RebuildCheck:
         layer: object,
         where: str | Callable[[], str],
         before: Tensor,
-        after: Tensor,
+        after: Tensor | None,
         output_norms: Tensor,
         output_names: Sequence[tuple[int, str]] | None = None,
     ) -> None:
@@ -93,10 +94,12 @@ def check_rebuilds(checks: Sequence[RebuildCheck]) -> list[float]:
     errors: list[float] = [math.nan] * len(checks)
     names: list[str] = [""] * len(checks)
     for members in groups.values():
+        before = torch.stack([checks[k].before for k in members])
+        after = torch.stack([checks[k].after for k in members])  # type: ignore[misc]
+        verdicts = before.new_empty((*before.shape[:2], 2))
+        _compare(before, after, verdicts)
         summary = _summarise(*_on_host(
-            torch.stack([checks[k].before for k in members]),
-            torch.stack([checks[k].after for k in members]),
-            torch.stack([checks[k].output_norms.reshape(-1) for k in members]),
+            before, verdicts, torch.stack([checks[k].output_norms.reshape(-1) for k in members])
         ))
         group_errors, group_names = _read(summary, lambda m: checks[members[m]])
         for m, k in enumerate(members):
@@ -105,30 +108,93 @@ def check_rebuilds(checks: Sequence[RebuildCheck]) -> list[float]:
     return errors
 
 
-def check_run(
-    layers: Sequence[object],
-    where: Callable[[int], str],
-    before: Tensor,
-    after: Tensor,
-    output_norms: Tensor,
-) -> list[float]:
-    """:func:`check_rebuilds` for layers whose fingerprints are stacked already (an M-mode
-    run's checked layers): ``before``/``after`` ``(layers, halves, 1 + PROJECTIONS)``,
-    ``output_norms`` ``(layers, m)``; ``where(k)`` names layer ``k``. The arithmetic of all
-    layers runs at once on the host (one copy from a GPU, one sync); a
-    :class:`RebuildCheck` is made only for a layer a message names (per-layer tensors were
-    most of the check's cost on small tensors)."""
-    if not layers:
-        return []
+class RunCheck:
+    """Backward's side of an M-mode run's check: compares each rebuilt input with the forward's
+    fingerprint as the rebuilds come, keeping per layer only what the verdict needs.
 
-    def check(k: int) -> RebuildCheck:
-        layer = layers[k]
-        return RebuildCheck(layer, functools.partial(where, k), before[k], after[k], output_norms[k],
-                            getattr(layer, "output_names", None))
+    Rebuilt states are fingerprinted when added, folded every :data:`FOLD_EVERY` layers and
+    compared at once with the forward's (:func:`_compare`): what waits through backward's memory
+    peak is two numbers per half (its projection error and whether it is finite), not its
+    fingerprint. :meth:`finish` reads the verdicts of all layers on the host, with one copy from
+    a GPU, and builds a :class:`RebuildCheck` only for a layer a message names.
 
-    errors, names = _read(_summarise(*_on_host(before, after, output_norms)), check)
-    _report(errors, names, layers, check)
-    return errors
+    Args:
+        prints: The forward's fingerprints, ``(states, halves, 1 + PROJECTIONS)``.
+        rows: The rows of ``prints`` that hold the checked layers' inputs, in the order
+            backward meets the layers (top first).
+    """
+
+    def __init__(self, prints: Tensor, rows: Sequence[int]) -> None:
+        self._prints_before = prints
+        self._rows = list(rows)
+        self._prints = Fingerprints()
+        self._added = 0
+        self._compared = 0
+        # Filled in as layers are compared (allocated once: 16 bytes per layer of two halves).
+        self._verdicts = prints.new_empty((len(self._rows), prints.shape[1], 2))
+
+    def add(self, state: Sequence[Tensor], layout: Layout) -> None:
+        """The next layer's rebuilt input (fingerprinted with the forward's ``layout``)."""
+        self._prints.add(state, layout)
+        self._added += 1
+        if self._added - self._compared >= FOLD_EVERY:
+            self._compare_waiting()
+
+    def _compare_waiting(self) -> None:
+        after = self._prints.take()
+        if after is None:
+            return
+        start, stop = self._compared, self._compared + after.shape[0]
+        _compare(self._before(start, stop), after, self._verdicts[start:stop])
+        self._compared = stop
+
+    def _before(self, start: int, stop: int) -> Tensor:
+        """The forward's fingerprints of layers ``start:stop``: a view where their rows follow
+        each other (a run whose layers are all checked), else a copy."""
+        rows = self._rows[start:stop]
+        if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+            return self._prints_before[rows[0] : rows[-1] + 1]
+        return self._prints_before[rows]
+
+    def finish(self, layers: Sequence[object], where: Callable[[int], str], output_norms: Tensor) -> list[float]:
+        """Verdicts for all layers (``where(k)`` names layer ``k``, ``output_norms`` ``(layers,
+        m)`` are its forward output's norms): warns or raises as :func:`check_rebuilds` does;
+        returns the estimated relative error per layer."""
+        self._compare_waiting()
+        if len(layers) != self._compared:
+            raise RuntimeError(f"{self._compared} rebuilt inputs for {len(layers)} checked layers")
+        if not layers:
+            return []
+        before = self._before(0, len(layers))
+
+        def check(k: int) -> RebuildCheck:
+            layer = layers[k]
+            return RebuildCheck(layer, functools.partial(where, k), before[k], None, output_norms[k],
+                                getattr(layer, "output_names", None))
+
+        errors, names = _read(_summarise(*_on_host(before, self._verdicts, output_norms)), check)
+        _report(errors, names, layers, check)
+        return errors
+
+
+def _compare(before: Tensor, after: Tensor, out: Tensor) -> None:
+    """Fill ``out`` ``(layers, halves, 2)``: per half, the root sum of squares of its
+    projections' differences (rebuilt minus forward) and whether the rebuilt fingerprint is
+    finite (1.0 or 0.0), from ``(layers, halves, 1 + PROJECTIONS)`` fingerprints; in their
+    precision. On a CPU with numpy (a few microseconds against ~80 for torch's small ops inside
+    a backward), elsewhere on the device, without a sync."""
+    if not out.is_cuda and before.dtype in _NUMPY_DTYPES and out.device.type == "cpu":
+        a, b, verdicts = after.detach().numpy(), before.detach().numpy(), out.numpy()
+        with np.errstate(all="ignore"):  # non-finite values are what this looks for
+            diff = a[..., 1:] - b[..., 1:]
+            np.sqrt(np.einsum("lhp,lhp->lh", diff, diff), out=verdicts[..., 0])
+            verdicts[..., 1] = np.isfinite(a).all(axis=-1)
+        return
+    out[..., 0] = torch.linalg.vector_norm(after[..., 1:] - before[..., 1:], dim=-1)
+    out[..., 1] = torch.isfinite(after).all(dim=-1)
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float64)
 
 
 def _read(summary: np.ndarray, check: Callable[[int], RebuildCheck]) -> tuple[list[float], list[str]]:
@@ -136,14 +202,15 @@ def _read(summary: np.ndarray, check: Callable[[int], RebuildCheck]) -> tuple[li
     non-finite rebuild of a finite input."""
     errors: list[float] = [math.nan] * len(summary)
     names: list[str] = [""] * len(summary)
-    for k, (finite_before, finite_after, drift, which, halves) in enumerate(summary.tolist()):
+    for k, (finite_before, finite_after, drift, which, halves, first_bad) in enumerate(summary.tolist()):
         if not finite_before:
             continue  # the forward's input was not finite; the loss shows that already
+        half = (lambda j: f"x{int(j) + 1}" if halves > 1 else "x")
         if not finite_after:
             bad = check(k)
-            _check_one(bad, bad.before.tolist(), bad.after.tolist(), bad.output_norms.flatten().tolist())  # raises
+            raise ReconstructionError(_non_finite_message(bad, half(first_bad), bad.output_norms.flatten().tolist()))
         errors[k] = drift
-        names[k] = f"x{int(which) + 1}" if halves > 1 else "x"
+        names[k] = half(which)
     return errors, names
 
 
@@ -174,20 +241,22 @@ def _on_host(*tensors: Tensor, gather: bool | None = None) -> list[np.ndarray]:
     return [part.reshape(t.shape) for part, t in zip(np.split(flat, sizes), tensors)]
 
 
-def _summarise(before: np.ndarray, after: np.ndarray, out_norms: np.ndarray) -> np.ndarray:
-    """Per layer: forward input finite, rebuild finite, largest relative error, its half, and
-    the number of halves.
+def _summarise(before: np.ndarray, verdicts: np.ndarray, out_norms: np.ndarray) -> np.ndarray:
+    """Per layer: forward input finite, rebuild finite, largest relative error, its half, the
+    number of halves and the first non-finite rebuilt half.
 
-    ``before``/``after``: ``(layers, halves, 1 + PROJECTIONS)``; ``out_norms``: ``(layers, m)``.
-    The same arithmetic as :func:`_check_one`, which stays the reference for messages.
+    ``before``: ``(layers, halves, 1 + PROJECTIONS)`` forward fingerprints; ``verdicts``:
+    ``(layers, halves, 2)`` from :func:`_compare`; ``out_norms``: ``(layers, m)``.
     """
     with np.errstate(all="ignore"):  # non-finite values are what this looks for
         finite_before = np.isfinite(before).reshape(len(before), -1).all(axis=1)
-        finite_after = np.isfinite(after).reshape(len(after), -1).all(axis=1)
+        finite_halves = verdicts[..., 1] > 0
+        finite_after = finite_halves.all(axis=1)
+        first_bad = np.argmin(finite_halves, axis=1)
         in_scale = np.sqrt(np.square(before[..., 0]).sum(axis=1))
         out_scale = np.sqrt(np.square(out_norms).sum(axis=1))
         scale = np.fmax(in_scale, out_scale)  # fmax: a non-finite output norm does not poison it
-        error = np.sqrt(np.square(after[..., 1:] - before[..., 1:]).mean(axis=-1))
+        error = verdicts[..., 0] / math.sqrt(PROJECTIONS)  # root mean square over the projections
         denominator = np.fmax(before[..., 0], FLOOR * scale[:, None])
         # Input and output exactly zero: any rebuilt value is wrong.
         zero = np.where(error > 0, math.inf, 0.0)
@@ -195,33 +264,7 @@ def _summarise(before: np.ndarray, after: np.ndarray, out_norms: np.ndarray) -> 
         which = np.argmax(drift, axis=1)  # like torch.max: a NaN wins
         worst = np.take_along_axis(drift, which[:, None], axis=1)[:, 0]
     halves = np.full(len(before), before.shape[1])
-    return np.stack([finite_before, finite_after, worst, which, halves], axis=1).astype(np.float64)
-
-
-def _check_one(
-    check: RebuildCheck, before: list[list[float]], after: list[list[float]], out_norms: list[float]
-) -> tuple[float, str]:
-    """The largest estimated relative error over the halves, and which half it is."""
-    if not all(math.isfinite(v) for row in before for v in row):
-        return math.nan, ""  # the forward's input was not finite; the loss shows that already
-    names = [f"x{i + 1}" for i in range(len(before))] if len(before) > 1 else ["x"]
-    if not all(math.isfinite(v) for row in after for v in row):
-        bad = next(n for n, row in zip(names, after) if not all(math.isfinite(v) for v in row))
-        raise ReconstructionError(_non_finite_message(check, bad, out_norms))
-    in_scale = math.sqrt(sum(row[0] ** 2 for row in before))
-    out_scale = math.sqrt(sum(v * v for v in out_norms))
-    scale = max(in_scale, out_scale)
-    worst, worst_name = 0.0, names[0]
-    for name, b, a in zip(names, before, after):
-        error = math.sqrt(sum((x - y) ** 2 for x, y in zip(a[1:], b[1:])) / (len(a) - 1))
-        denominator = max(b[0], FLOOR * scale)
-        if denominator == 0.0:  # input and output exactly zero: any rebuilt value is wrong
-            drift = math.inf if error > 0 else 0.0
-        else:
-            drift = error / denominator
-        if drift > worst:
-            worst, worst_name = drift, name
-    return worst, worst_name
+    return np.stack([finite_before, finite_after, worst, which, halves, first_bad], axis=1).astype(np.float64)
 
 
 def _drift_message(worst: tuple[float, RebuildCheck, str], count: int, total: int) -> str:

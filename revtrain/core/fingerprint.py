@@ -79,7 +79,16 @@ def _merges(x: Tensor, n: int) -> bool:
 def layout_of(state: Sequence[Tensor]) -> Layout:
     """How each tensor of ``state`` is cut into rows; a rebuild is fingerprinted with the
     forward's layout, so that a contiguous rebuild compares with a strided original."""
-    return tuple(_row_start(x) for x in state)
+    key = tuple([(x.shape, x.stride()) for x in state])  # all _row_start reads
+    layout = _layouts.get(key)
+    if layout is None:
+        if len(_layouts) >= _MAX_CACHED:
+            _layouts.clear()
+        layout = _layouts[key] = tuple(_row_start(x) for x in state)
+    return layout
+
+
+_layouts: dict[tuple, Layout] = {}
 
 
 def _slab_shape(x: Tensor, k: int) -> tuple[int, int, int]:
@@ -256,6 +265,51 @@ _MAX_PENDING = 1 << 16
 """Row projections (values) kept before :class:`Fingerprints` folds them: 256 KiB in float32."""
 
 
+class _StatePlan(NamedTuple):
+    """How to fingerprint a state of given shapes, dtypes, devices and layout (looked up once
+    per state: on small tensors Python, not the data, is the check's cost)."""
+
+    plans: tuple[_Plan, ...]
+    """Per tensor."""
+    device_type: str
+    """Where autocast is switched off around the products if it is on."""
+    shared: _Plan | None
+    """The one plan of every tensor, where they share one and are not empty: such states fold
+    as one batch (:meth:`Fingerprints._fold`)."""
+    exact_norm: bool
+    """Some tensor has too few rows for the norm estimate."""
+    values: int
+    """Values of ``W`` a state produces."""
+
+    @classmethod
+    def of(cls, state: Sequence[Tensor], layout: Layout) -> _StatePlan:
+        plans = []
+        for x, k in zip(state, layout):
+            plan = _plans.get((k, x.shape, x.dtype, x.device))
+            if plan is None:
+                plan = _plans[(k, x.shape, x.dtype, x.device)] = _Plan.of(x, k)
+            plans.append(plan)
+        device = state[0].device
+        device_type = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
+        shared = plans[0] if plans[0].u is not None and all(p is plans[0] for p in plans) else None
+        return cls(tuple(plans), device_type, shared, any(p.exact_norm for p in plans), sum(p.values for p in plans))
+
+
+_state_plans: dict[tuple, _StatePlan] = {}
+_MAX_CACHED = 4096
+"""Entries kept by the per-shape caches (states of ever new shapes start them afresh)."""
+
+
+def _state_plan(state: Sequence[Tensor], layout: Layout) -> _StatePlan:
+    key = (layout, *[(x.shape, x.dtype, x.device) for x in state])
+    plan = _state_plans.get(key)
+    if plan is None:
+        if len(_state_plans) >= _MAX_CACHED:
+            _state_plans.clear()
+        plan = _state_plans[key] = _StatePlan.of(state, layout)
+    return plan
+
+
 class Fingerprints:
     """Fingerprints of many states, each read once when added and folded together later.
 
@@ -275,35 +329,23 @@ class Fingerprints:
         # While every state has the same number of tensors: the folded batches, (states, n, 1 + P)
         # each, not yet split into _done (stacked() reads them directly).
         self._batches: list[Tensor] | None = []
-        # Per state: its length, and per tensor W (None when empty) with its plan's fold, and
-        # the exact norm (small tensors only).
-        self._pending: list[tuple[int, list[tuple[Tensor, tuple[Tensor, ...]] | None], list[Tensor | None]]] = []
+        # Per state: its plan, W per tensor (None when empty) and the exact norms (None where
+        # the estimate serves, or for all tensors when none needs one).
+        self._pending: list[tuple[_StatePlan, list[Tensor | None], list[Tensor | None] | None]] = []
         self._pending_values = 0
 
     def add(self, state: Sequence[Tensor], layout: Layout | None = None) -> int:
         """Take the fingerprint of ``state`` (cut into rows by ``layout``, default its own);
         returns its index into :meth:`results`."""
-        layout = layout_of(state) if layout is None else layout
-        rows: list[tuple[Tensor, tuple[Tensor, ...]] | None] = []
-        exact: list[Tensor | None] = []
-        with _full_precision(state[0].device):
-            for x, k in zip(state, layout):
-                # This runs for every layer, twice a step: what depends only on the shape is
-                # looked up once (on small tensors Python, not the data, is the cost).
-                plan = _plans.get((k, x.shape, x.dtype, x.device))
-                if plan is None:
-                    plan = _plans[(k, x.shape, x.dtype, x.device)] = _Plan.of(x, k)
-                if plan.u is None:  # empty
-                    rows.append(None)
-                    exact.append(None)
-                    continue
-                slab = _slab(x, plan)
-                rows.append((_row_projections(slab, plan), plan.fold))  # W: (A, R, 2)
-                # Too few rows for the norm estimate: the exact norm.
-                exact.append(torch.linalg.vector_norm(slab) if plan.exact_norm else None)
-                self._pending_values += plan.values
+        plan = _state_plan(state, layout_of(state) if layout is None else layout)
+        if torch.is_autocast_enabled(plan.device_type):  # the products in the tensors' precision
+            with torch.autocast(plan.device_type, enabled=False):
+                rows, exact = _products(state, plan)
+        else:
+            rows, exact = _products(state, plan)
         index = self._folded + len(self._pending)
-        self._pending.append((len(state), rows, exact))
+        self._pending.append((plan, rows, exact))
+        self._pending_values += plan.values
         if self._pending_values > _MAX_PENDING or len(self._pending) >= self._fold_every:
             self._fold()
         return index
@@ -317,6 +359,20 @@ class Fingerprints:
             batch = self._batches[0] if len(self._batches) == 1 else torch.cat(self._batches)
             return batch[list(indices)]
         return torch.stack([self.results()[i] for i in indices])
+
+    def take(self) -> Tensor | None:
+        """Hand over, stacked as in :meth:`stacked`, the fingerprints of every state added
+        since the last call (None if none); they are not kept. For states of the same number
+        of tensors."""
+        self._fold()
+        if self._batches:
+            taken = self._batches[0] if len(self._batches) == 1 else torch.cat(self._batches)
+        elif self._done:
+            taken = torch.stack(self._done)
+        else:
+            return None
+        self._batches, self._done = [], []
+        return taken
 
     def results(self) -> list[Tensor]:
         """Per state added, in order: ``(len(state), 1 + PROJECTIONS)``, in the precision of
@@ -334,43 +390,77 @@ class Fingerprints:
     def _fold(self) -> None:
         if not self._pending:
             return
-        flat = [(w, e) for _, rows, exact in self._pending for w, e in zip(rows, exact)]
-        groups: dict[tuple, list[int]] = {}
-        for j, (row, _) in enumerate(flat):
-            if row is not None:  # one group per shape of tensor: the same fold vectors
-                groups.setdefault((row[0].shape, id(row[1])), []).append(j)
-        counts = [n for n, _, _ in self._pending]
-        outs = {}
-        for key, members in groups.items():
-            w, fold = flat[members[0]][0]  # type: ignore[misc]
-            with _full_precision(w.device):
-                out = _fold_rows([flat[j][0][0] for j in members], fold)  # type: ignore[index]
-            if flat[members[0]][1] is not None:  # too few rows for the estimate (same shapes)
-                out[:, 0] = torch.stack([flat[j][1] for j in members]).to(out.dtype)  # type: ignore[misc]
-            outs[key] = out
-        n = counts[0]
-        uniform = all(c == n for c in counts) and (not self._batches or self._batches[0].shape[1] == n)
-        if len(groups) == 1 and len(flat) == len(next(iter(groups.values()))) and uniform and self._batches is not None:
+        first = self._pending[0][0]
+        n = len(first.plans)
+        if (
+            first.shared is not None
+            and all(p is first for p, _, _ in self._pending)
+            and self._batches is not None
+            and (not self._batches or self._batches[0].shape[1] == n)
+        ):
             # The usual case, one shape throughout: the states are rows of one batch.
-            self._batches.append(next(iter(outs.values())).view(len(counts), n, -1))
+            plan = first.shared
+            with _full_precision(first.device_type):
+                out = _fold_rows([w for _, rows, _ in self._pending for w in rows], plan.fold)  # type: ignore[misc]
+            if plan.exact_norm:
+                out[:, 0] = torch.stack([e for _, _, exact in self._pending for e in exact]).to(out.dtype)  # type: ignore[misc, union-attr]
+            self._batches.append(out.view(len(self._pending), n, -1))
         else:
-            self._split()
-            folded: list[Tensor | None] = [None] * len(flat)
-            for key, members in groups.items():
-                for j, row in zip(members, outs[key].unbind(0)):
-                    folded[j] = row
-            device = next(iter(outs.values())).device if outs else None
-            start = 0
-            for c in counts:
-                self._done.append(_assemble(folded[start : start + c], device))
-                start += c
-        self._folded += len(counts)
+            self._fold_mixed()
+        self._folded += len(self._pending)
         self._pending, self._pending_values = [], 0
 
+    def _fold_mixed(self) -> None:
+        """States of several shapes or lengths: one fold per shape of tensor."""
+        flat = [
+            (w, p, None if exact is None else exact[j])
+            for plan, rows, exact in self._pending
+            for j, (w, p) in enumerate(zip(rows, plan.plans))
+        ]
+        groups: dict[int, list[int]] = {}
+        for j, (w, plan, _) in enumerate(flat):
+            if w is not None:  # one group per plan: the same fold vectors
+                groups.setdefault(id(plan), []).append(j)
+        self._split()
+        folded: list[Tensor | None] = [None] * len(flat)
+        device = None
+        for members in groups.values():
+            plan = flat[members[0]][1]
+            w = flat[members[0]][0]
+            device = w.device  # type: ignore[union-attr]
+            with _full_precision(device.type):
+                out = _fold_rows([flat[j][0] for j in members], plan.fold)  # type: ignore[misc, arg-type]
+            if plan.exact_norm:  # too few rows for the estimate
+                out[:, 0] = torch.stack([flat[j][2] for j in members]).to(out.dtype)  # type: ignore[misc]
+            for j, row in zip(members, out.unbind(0)):
+                folded[j] = row
+        start = 0
+        for plan, _, _ in self._pending:
+            count = len(plan.plans)
+            self._done.append(_assemble(folded[start : start + count], device))
+            start += count
 
-def _full_precision(device: torch.device) -> contextlib.AbstractContextManager:
+
+def _products(state: Sequence[Tensor], plan: _StatePlan) -> tuple[list[Tensor | None], list[Tensor | None] | None]:
+    """The pass over a state's data: ``W`` per tensor, and exact norms where rows are few."""
+    if not plan.exact_norm:
+        return [None if p.u is None else _row_projections(_slab(x, p), p) for x, p in zip(state, plan.plans)], None
+    rows: list[Tensor | None] = []
+    exact: list[Tensor | None] = []
+    for x, p in zip(state, plan.plans):
+        if p.u is None:  # empty
+            rows.append(None)
+            exact.append(None)
+            continue
+        slab = _slab(x, p)
+        rows.append(_row_projections(slab, p))
+        exact.append(torch.linalg.vector_norm(slab) if p.exact_norm else None)
+    return rows, exact
+
+
+def _full_precision(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast off (the check's products in the tensors' own precision), where it is on."""
-    device_type = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
+    device_type = device_type if device_type in ("cuda", "cpu", "xpu", "mps") else "cpu"
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
-from revtrain.core.checks import check_run
-from revtrain.core.fingerprint import FOLD_EVERY, Fingerprints, layout_of
+from revtrain.core.checks import RunCheck
+from revtrain.core.fingerprint import Fingerprints, layout_of
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
 from revtrain.core.replay import AutocastState, ModuleTensors
@@ -124,7 +124,8 @@ class _ReversibleRun(torch.autograd.Function):
             # Each state once: a layer's output is the next layer's input where both are checked.
             ends = [output_prints[i] if i in output_prints else inputs[i + 1] for i in checked]
             starts = [inputs[i] for i in checked]
-            states = sorted(set(starts) | set(ends))  # type: ignore[arg-type]
+            # Top first, the order backward reads them: a full run's inputs are one slice.
+            states = sorted(set(starts) | set(ends), reverse=True)  # type: ignore[arg-type]
             row = {k: r for r, k in enumerate(states)}
             ctx.prints = taken.stacked(states)  # type: ignore[arg-type]
             ctx.print_rows = ([row[k] for k in starts], [row[k] for k in ends])
@@ -175,8 +176,9 @@ class _ReversibleRun(torch.autograd.Function):
         n = len(layers)
         param_grads: list[list[Tensor | None]] = [[] for _ in range(n)]
         extra_grads: list[Tensor | None] = [None] * run.n_extra
-        rebuilt = Fingerprints(fold_every=FOLD_EVERY)  # folded as it goes: it waits through the peak
-        rebuilt_at: dict[int, int] = {}  # layer -> its rebuilt input's index in `rebuilt`
+        starts, ends = ctx.print_rows if ctx.checked else ([], [])
+        # Compared as the rebuilds come: what waits through the peak is two numbers per half.
+        rebuilt = RunCheck(ctx.prints, starts) if ctx.checked else None
         need_first = any(ctx.needs_input_grad[1:first_extra])
         # Backward runs with grad mode off; the rebuild needs graphs.
         # The state and its gradient travel as lists that a step may empty once it has taken
@@ -192,7 +194,7 @@ class _ReversibleRun(torch.autograd.Function):
             if result.extra_grads:
                 extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
             if ctx.layouts[i] is not None:
-                rebuilt_at[i] = rebuilt.add(result.inputs, ctx.layouts[i])
+                rebuilt.add(result.inputs, ctx.layouts[i])  # type: ignore[union-attr]
 
         with torch.enable_grad(), ctx.autocast.context():
             if run.overlap and supports_phases(layers):
@@ -225,13 +227,11 @@ class _ReversibleRun(torch.autograd.Function):
                     state, grad_state = list(result.inputs), list(result.grad_inputs)
                     del result
         _hand_over(ctx, tuple(state))
-        if ctx.checked:
-            after = rebuilt.stacked([rebuilt_at[i] for i in ctx.checked])
-            starts, ends = ctx.print_rows
-            check_run(
+        if rebuilt is not None:
+            rebuilt.finish(
                 [layers[i] for i in ctx.checked],
                 lambda k: _where(layers[ctx.checked[k]], ctx.checked[k], n),
-                ctx.prints[starts], after, ctx.prints[ends][..., 0],
+                ctx.prints[ends][..., 0],
             )
         dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]

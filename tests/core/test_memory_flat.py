@@ -56,9 +56,9 @@ def test_m_mode_peak_equals_the_analysis_at_two_depths():
     outputs and the two gradients of F's backward in flight (tanh's and batch norm's): 8h. So
     12h, plus the parameter gradients computed so far (all but the bottom F's) and the rebuild
     check's state: the forward's fingerprints (one per block's input and one of the run's output,
-    float32) and, for each block above the bottom one, its rebuilt input's fingerprint, folded
-    in groups of ``FOLD_EVERY``, the last few still as row projections (two per row of each
-    half). Before the fix the run's loop and the
+    float32), each block's verdict (two numbers per half, room for all allocated at the start of
+    backward: ``RunCheck``) and the rebuilt inputs not compared yet, as row projections (two per
+    row of each half; they are folded and compared in groups of ``FOLD_EVERY``). Before the fix the run's loop and the
     block still held the bottom block's y1, y2, dy1, G's input gradient and the rebuilt state of
     the block above through F's backward: 18h here (in the core benchmark 72.3 MiB against
     revlib's 64.0 MiB; 56.3 MiB now).
@@ -81,8 +81,9 @@ def test_m_mode_peak_equals_the_analysis_at_two_depths():
         a, rows, _ = _slab_shape(x[:, :8], layout_of([x[:, :8]])[0])
         pending_bytes = 2 * (a * rows * ROW_VECTORS) * 4  # W of two float32 halves
         above = depth - 1  # blocks rebuilt before the bottom one
-        folded, pending = above - above % FOLD_EVERY, above % FOLD_EVERY
-        check_bytes = fingerprint_bytes * (depth + 1 + folded) + pending_bytes * pending
+        pending = above % FOLD_EVERY  # rebuilt states not compared yet
+        verdict_bytes = 2 * 2 * 4  # per block: two float32 numbers per half
+        check_bytes = fingerprint_bytes * (depth + 1) + verdict_bytes * depth + pending_bytes * pending
         expected = 12 * half + grads_so_far + check_bytes
         # Slack: a few hundred bytes of small tensors (the run's check sums, scalars).
         assert abs(peak - expected) < 1024, (depth, peak, expected, (peak - expected) / half)

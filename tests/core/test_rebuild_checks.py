@@ -340,3 +340,47 @@ def test_row_projections_of_a_tensor_at_an_odd_offset_fall_back_to_the_batched_p
     with pytest.raises(RuntimeError):
         torch.view_as_complex(slab.view(*plan.shape[:2], plan.shape[2] // 2, 2))  # ...which cannot
     torch.testing.assert_close(fp._row_projections(slab, plan), torch.bmm(slab, plan.u), rtol=1e-12, atol=1e-12)
+
+
+# -- backward's incremental comparison equals the one-shot reference ----------------------------
+
+
+@pytest.mark.parametrize("rows", [[6, 5, 4, 3, 2, 1], [6, 4, 3, 1, 0]], ids=["every layer", "some layers"])
+@pytest.mark.parametrize("with_numpy", [True, False], ids=["numpy", "torch ops"])
+def test_run_check_gives_check_rebuilds_verdicts(rows, with_numpy, monkeypatch):
+    """``RunCheck`` compares rebuilt inputs with the forward's as they come (groups of
+    ``FOLD_EVERY``, forward rows a view or a copy; with numpy on CPUs, torch ops elsewhere):
+    the same errors, to float32 rounding, as ``check_rebuilds`` on whole fingerprints; a
+    non-finite rebuild raises naming its half."""
+    from revtrain.core import checks
+    from revtrain.core.checks import RunCheck
+    from revtrain.core.fingerprint import Fingerprints
+
+    if not with_numpy:
+        monkeypatch.setattr(checks, "_NUMPY_DTYPES", ())
+
+    torch.manual_seed(0)
+    states = [(torch.randn(4, 4, 6, 6), torch.randn(4, 4, 6, 6)) for _ in range(7)]
+    taken = Fingerprints()
+    for state in states:
+        taken.add(state)
+    prints = taken.stacked(range(7))
+    rebuilt = [tuple(x + 10.0 ** -(2 + k % 3) * torch.randn_like(x) for x in states[r]) for k, r in enumerate(rows)]
+    layers = [ReversibleBlock(nn.Identity(), nn.Identity(), drift_tolerance=1.0) for _ in rows]
+    out_norms = torch.ones(len(rows), 2)
+    check = RunCheck(prints, rows)
+    for state in rebuilt:
+        check.add(state, layout_of(state))
+    errors = check.finish(layers, str, out_norms)
+    reference = check_rebuilds([
+        RebuildCheck(layer, "ref", fingerprint(states[r]), fingerprint(state), out_norms[k])
+        for k, (layer, r, state) in enumerate(zip(layers, rows, rebuilt))
+    ])
+    assert all(e > 1e-5 for e in errors)
+    torch.testing.assert_close(torch.tensor(errors), torch.tensor(reference), rtol=1e-5, atol=0)
+
+    check = RunCheck(prints, rows)
+    for k, state in enumerate(rebuilt):
+        check.add((state[0], state[1].clone().fill_(float("inf"))) if k == 2 else state, layout_of(state))
+    with pytest.raises(ReconstructionError, match=r"layer 2 .*non-finite values \(input x2\)"):
+        check.finish(layers, lambda k: f"layer {k}", out_norms)
