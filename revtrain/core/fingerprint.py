@@ -256,10 +256,11 @@ _CHUNK = 1 << 17
 """Complex values multiplied at a time by :func:`_row_projections` (a 1 MiB temporary)."""
 
 FOLD_EVERY = 4
-"""States whose row projections M-mode backward folds together (fewer ops per state the more,
-but ``W`` of a small tensor outweighs its fingerprint: at batch 8, 8 channels, 8×8 a half's ``W``
-is 512 bytes against 260 folded; at batch 8, 16 channels, 8×8, depth 16 folding every 4 states
-took the step's peak from 319 to 314 KiB for ~2% of its time)."""
+"""Rebuilt states whose row projections M-mode backward folds and compares together (fewer ops
+per state the more, but ``W`` of a small tensor outweighs its fingerprint: at batch 8, 8
+channels, 8×8 a half's ``W`` is 512 bytes against 260 folded; at batch 8, 16 channels, 8×8,
+depth 16 folding every 4 states took the step's peak from 319 to 314 KiB for ~2% of its time,
+and comparing them at once instead of keeping their fingerprints to 307.7 KiB)."""
 
 _MAX_PENDING = 1 << 16
 """Row projections (values) kept before :class:`Fingerprints` folds them: 256 KiB in float32."""
@@ -316,14 +317,14 @@ class Fingerprints:
     :meth:`add` does the one pass over a state's data (a batched matrix product per tensor,
     giving its row projections ``W``); the few small ops that fold ``W`` into norms and
     projections run once for several states (on small tensors the number of ops, not the data,
-    is the check's cost): when :data:`_MAX_PENDING` values of ``W`` wait, and every
-    ``fold_every`` states if given. (``W`` of a small tensor outweighs its fingerprint, so M-mode
-    backward, whose rebuilt fingerprints wait through its memory peak, folds every
-    :data:`FOLD_EVERY` states; the forward folds once.)
+    is the check's cost): when :data:`_MAX_PENDING` values of ``W`` wait, and when the results
+    are read (:meth:`stacked`, :meth:`take`, :meth:`results`). The forward reads once per run;
+    M-mode backward (``RunCheck`` in ``core/checks.py``) takes its rebuilt states every
+    :data:`FOLD_EVERY` (``W`` of a small tensor outweighs its fingerprint, and they wait through
+    backward's memory peak).
     """
 
-    def __init__(self, fold_every: int | None = None) -> None:
-        self._fold_every = fold_every or math.inf
+    def __init__(self) -> None:
         self._done: list[Tensor] = []  # per state folded, once split (see _batches)
         self._folded = 0  # states folded
         # While every state has the same number of tensors: the folded batches, (states, n, 1 + P)
@@ -346,7 +347,7 @@ class Fingerprints:
         index = self._folded + len(self._pending)
         self._pending.append((plan, rows, exact))
         self._pending_values += plan.values
-        if self._pending_values > _MAX_PENDING or len(self._pending) >= self._fold_every:
+        if self._pending_values > _MAX_PENDING:
             self._fold()
         return index
 
