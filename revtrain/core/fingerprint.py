@@ -18,9 +18,9 @@ a fixed seed (never from torch's global generators) and cached.
 The pass over the data and the fold are separate (:class:`Fingerprints`): each state costs one
 product per tensor when it is taken, and the fold runs once for all the states of a run, in
 the tensors' own precision whatever the autocast setting. On small tensors the cost is the
-number of ops, not the data: this cut it from ~15 ops per state to 2. On CPUs the product is a
-complex multiply-and-sum (:func:`_row_projections`): MKL's two-column batched product ran at a
-fraction of memory speed.
+number of ops, not the data: this cut it from ~15 ops per state to 2. On CPUs, tensors from
+32K values take the product transposed (``u^T X^T``, two rows against the data,
+:func:`_row_projections`): MKL's two-column product ``X u`` ran at a fraction of memory speed.
 
 ``core/checks.py`` compares the fingerprints a rebuild gives with the forward's.
 """
@@ -100,9 +100,9 @@ def _slab_shape(x: Tensor, k: int) -> tuple[int, int, int]:
 
 def _random_vectors(
     a: int, rows: int, length: int, dtype: torch.dtype, device: torch.device
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """The row vectors ``u / sqrt(ROW_VECTORS)`` as ``(A, L, 2)`` for a batched product, the
-    same two vectors as one complex vector where ``L`` is even (see :func:`_row_vectors`),
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The row vectors ``u / sqrt(ROW_VECTORS)`` as ``(A, L, 2)`` for a batched product and
+    transposed, ``(A, 2, L)`` (a broadcast view of one contiguous ``(2, L)``),
     ``s_A`` and ``sqrt(ROW_VECTORS) · s_R``: the scale moved from the fold onto ``u`` makes
     ``‖W‖`` the norm estimate itself (one op fewer per fingerprint), with the projections
     unchanged."""
@@ -114,17 +114,12 @@ def _random_vectors(
         s_a = _typical_sums(torch.randn(a, _FOLD_A, generator=gen, dtype=torch.float64))
         s_r = _typical_sums(torch.randn(rows, _FOLD_R, generator=gen, dtype=torch.float64))
         root = math.sqrt(ROW_VECTORS)
-        complex_u = None
-        if length % 2 == 0 and not dtype.is_complex:
-            # v1 = (a, -b), v2 = (b, a) interleaved: x · (a + ib), summed, has v1·x and v2·x as
-            # its real and imaginary parts.
-            complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
-            complex_u = torch.complex(u[0::2, 0], u[0::2, 1]).div(root).to(device=device, dtype=complex_dtype)
         u, s_a, s_r = (t.to(device=device, dtype=dtype) for t in (u / root, s_a, s_r * root))
         # A contiguous batch of u's multiplies faster than a broadcast view (small tensors are
         # bound by per-op cost); large batches keep the view instead of a large copy.
         batched = u.expand(a, length, ROW_VECTORS)
-        cached = (batched.contiguous() if batched.numel() <= _MAX_PENDING else batched, complex_u, s_a, s_r)
+        transposed = u.T.contiguous().expand(a, ROW_VECTORS, length)
+        cached = (batched.contiguous() if batched.numel() <= _MAX_PENDING else batched, transposed, s_a, s_r)
         _vectors[key] = cached
     return cached
 
@@ -133,10 +128,11 @@ def _row_vectors(length: int, gen: torch.Generator) -> Tensor:
     """``(L, 2)`` float64: two random vectors along the rows whose sums are ``sqrt(L)``.
 
     For even ``L`` they come from ``L/2`` random complex numbers ``a_k + i b_k``: ``v1`` holds
-    ``(a_k, -b_k)`` and ``v2`` holds ``(b_k, a_k)`` interleaved, so that one complex
-    multiply-and-sum over a row (seen as ``L/2`` complex numbers) gives both projections in one
-    pass (:func:`_row_projections`). ``Σa = sqrt(L)`` and ``Σb = 0`` make both sums ``sqrt(L)``:
-    see :func:`_typical_sums` for why the sums are fixed.
+    ``(a_k, -b_k)`` and ``v2`` holds ``(b_k, a_k)`` interleaved (exactly orthogonal; they were
+    built this way for a complex multiply-and-sum that the transposed product has replaced, and
+    kept so that fingerprints, and the calibration in ``benchmarks/rebuild_check.py``, stay the
+    same). ``Σa = sqrt(L)`` and ``Σb = 0`` make both sums ``sqrt(L)``: see :func:`_typical_sums`
+    for why the sums are fixed.
     """
     if length % 2:
         return _typical_sums(torch.randn(length, ROW_VECTORS, generator=gen, dtype=torch.float64))
@@ -172,8 +168,9 @@ class _Plan(NamedTuple):
     """Half precision: the products run in float32 (they would round coarsely)."""
     u: Tensor | None
     """The row vectors, ``(A, L, 2)`` (None for an empty tensor)."""
-    complex_u: Tensor | None
-    """The same as one complex vector, on CPUs (None where ``L`` is odd, or on other devices)."""
+    u_t: Tensor | None
+    """The same transposed, ``(A, 2, L)``, for CPU tensors from :data:`_TRANSPOSED_MIN` values
+    (None otherwise)."""
     fold: tuple[Tensor, ...] | None
     """How :func:`_fold_rows` folds ``W``: ``(s_A ⊗ s_R,)`` as one ``(A·R, 32)`` matrix, or
     ``(s_A, s_R)`` where that matrix would be large."""
@@ -188,16 +185,16 @@ class _Plan(NamedTuple):
         upcast = x.dtype in (torch.float16, torch.bfloat16)
         if not x.numel():
             return cls((a, r, length), upcast, None, None, None, False, 0)
-        u, complex_u, s_a, s_r = _random_vectors(a, r, length, torch.float32 if upcast else x.dtype, x.device)
-        if x.device.type != "cpu" or x.numel() < _COMPLEX_MIN:
-            # cuBLAS does the batched product at memory speed; on small tensors one op is
-            # cheaper than the complex path's few.
-            complex_u = None
+        u, u_t, s_a, s_r = _random_vectors(a, r, length, torch.float32 if upcast else x.dtype, x.device)
+        if x.device.type != "cpu" or x.numel() < _TRANSPOSED_MIN:
+            # cuBLAS does the batched product at memory speed; on small CPU tensors it is the
+            # faster of the two inside a step.
+            u_t = None
         if a * r <= _MAX_KRON_ROWS:  # one product folds W (4 ops fewer, for small tensors)
             fold: tuple[Tensor, ...] = (torch.einsum("ap,rq->arpq", s_a, s_r).reshape(a * r, _FOLD_A * _FOLD_R),)
         else:
             fold = (s_a, s_r)
-        return cls((a, r, length), upcast, u, complex_u, fold, a * r < EXACT_NORM_ROWS, a * r * ROW_VECTORS)
+        return cls((a, r, length), upcast, u, u_t, fold, a * r < EXACT_NORM_ROWS, a * r * ROW_VECTORS)
 
 
 _plans: dict[tuple[int, torch.Size, torch.dtype, torch.device], _Plan] = {}
@@ -222,38 +219,23 @@ def _slab(x: Tensor, plan: _Plan) -> Tensor:
 def _row_projections(slab: Tensor, plan: _Plan) -> Tensor:
     """``W = X u``: ``(A, R, 2)``, each row's projections onto the two row vectors.
 
-    On CPUs, one complex multiply-and-sum (the row seen as ``L/2`` complex numbers) in chunks
-    of at most :data:`_CHUNK` values: a batched matrix product with two columns runs at a
-    fraction of memory speed there (MKL: 600 µs for a (32, 32, 1024) float32 slab, 180 µs this
-    way), and the chunks bound the temporary of the product.
+    On CPUs, from :data:`_TRANSPOSED_MIN` values, computed transposed: ``u^T X^T``, two rows of
+    length ``L`` against the data, whatever its strides (``W`` comes back as a transposed view).
+    MKL's product with two columns ran at a fraction of memory speed (600 µs for a
+    (32, 32, 1024) float32 slab alone; the transposed product 150 µs). Inside a step, right after
+    the state is computed, it was also the fastest of the batched, transposed and complex
+    multiply-and-sum products from 128K values on (at 524K, 92 µs against 168 and 334), and
+    whole M-mode steps ran 1–4% faster than with the complex path it replaced, which also needed
+    a temporary as large as its chunk (``benchmarks`` note in docs/core.md).
     """
-    if plan.complex_u is not None:
-        a, r, length = plan.shape
-        try:
-            xc = torch.view_as_complex(slab.view(a, r, length // 2, 2))
-        except RuntimeError:  # an odd stride or offset (a strided half): the batched product
-            return torch.bmm(slab, plan.u)  # type: ignore[arg-type]
-        out = torch.empty((a, r), dtype=plan.complex_u.dtype)
-        rows = max(1, _CHUNK // (length // 2))
-        if a * r <= rows:
-            torch.sum(xc * plan.complex_u, dim=-1, out=out)
-        elif r <= rows:
-            step = rows // r
-            for i in range(0, a, step):
-                torch.sum(xc[i : i + step] * plan.complex_u, dim=-1, out=out[i : i + step])
-        else:
-            for i in range(a):
-                for j in range(0, r, rows):
-                    torch.sum(xc[i, j : j + rows] * plan.complex_u, dim=-1, out=out[i, j : j + rows])
-        return torch.view_as_real(out)
+    if plan.u_t is not None:
+        return torch.bmm(plan.u_t, slab.transpose(1, 2)).transpose(1, 2)
     return torch.bmm(slab, plan.u)  # type: ignore[arg-type]
 
 
-_COMPLEX_MIN = 1 << 15
-"""Values from which a CPU tensor takes the complex path of :func:`_row_projections`."""
-
-_CHUNK = 1 << 17
-"""Complex values multiplied at a time by :func:`_row_projections` (a 1 MiB temporary)."""
+_TRANSPOSED_MIN = 1 << 15
+"""Values from which a CPU tensor takes the transposed product of :func:`_row_projections`
+(below, the batched product was as fast or faster inside a step: 21 against 26 µs at 4K)."""
 
 FOLD_EVERY = 4
 """Rebuilt states whose row projections M-mode backward folds and compares together (fewer ops
@@ -471,16 +453,17 @@ def _fold_rows(ws: list[Tensor], fold: tuple[Tensor, ...]) -> Tensor:
     """``(len(ws), 1 + PROJECTIONS)``: norm estimates and projections of same-shaped
     row projections ``W`` (``(A, R, 2)`` each), in one or two small matrix products (an einsum
     here cost several times the pass over the data)."""
-    w = torch.stack(ws) if len(ws) > 1 else ws[0].unsqueeze(0)  # (n, A, R, 2)
+    # (n, A, R, 2); one W may be a transposed view (the CPU's transposed product): reshape below.
+    w = torch.stack(ws) if len(ws) > 1 else ws[0].unsqueeze(0)
     n, a, rows, _ = w.shape
     if len(fold) == 1:  # s_A ⊗ s_R as one matrix: (n, 2, A·R) @ (A·R, 32)
-        projections = torch.matmul(w.view(n, a * rows, ROW_VECTORS).transpose(1, 2), fold[0])
+        projections = torch.matmul(w.reshape(n, a * rows, ROW_VECTORS).transpose(1, 2), fold[0])
     else:
         s_a, s_r = fold
-        across_a = torch.matmul(s_a.T, w.view(n, a, rows * ROW_VECTORS))  # (n, 4, R * 2)
+        across_a = torch.matmul(s_a.T, w.reshape(n, a, rows * ROW_VECTORS))  # (n, 4, R * 2)
         per_row_vector = across_a.view(n, _FOLD_A, rows, ROW_VECTORS).transpose(2, 3)  # (n, 4, 2, R)
         projections = torch.matmul(per_row_vector, s_r).transpose(1, 2)  # (n, 2, 4, 8)
-    norm = torch.linalg.vector_norm(w.view(n, -1), dim=1, keepdim=True)
+    norm = torch.linalg.vector_norm(w.reshape(n, -1), dim=1, keepdim=True)
     # Kept in the products' precision: float64 would add no information to float32 products and
     # double the check's state (1040 → 520 bytes per block of two float32 halves).
     return torch.cat([norm, projections.reshape(n, PROJECTIONS)], dim=1)

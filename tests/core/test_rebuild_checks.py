@@ -294,22 +294,27 @@ def test_a_drift_message_on_cuda_names_tf32_when_it_is_allowed(monkeypatch):
     assert checks._tf32_hint(on_gpu) == ""
 
 
-@pytest.mark.parametrize("chunk", [1 << 17, 64, 8])  # one product; whole samples; parts of one
 @pytest.mark.parametrize("shape", [(8, 16, 8, 8), (4, 16, 6, 6), (3, 7, 10), (2, 12, 5, 5)])
-def test_row_projections_on_cpu_equal_the_batched_product(monkeypatch, shape, chunk):
-    """The CPU path (complex multiply-and-sum in chunks) computes what the batched product
-    computes, for every way of chunking, odd row lengths (the batched product) included."""
-    from revtrain.core import fingerprint as checks
+def test_row_projections_on_cpu_equal_the_batched_product(monkeypatch, shape):
+    """The CPU path for larger tensors (the transposed product ``u^T X^T``) computes what the
+    batched product computes, on strided halves and odd row lengths, and the fingerprints
+    folded from it equal those folded from the batched product."""
+    from revtrain.core import fingerprint as fp
 
-    monkeypatch.setattr(checks, "_CHUNK", chunk)
-    monkeypatch.setattr(checks, "_COMPLEX_MIN", 0)  # small tensors take it too here
-    monkeypatch.setattr(checks, "_plans", {})
     torch.manual_seed(0)
     half = torch.randn(shape, dtype=torch.float64).chunk(2, dim=1)[1]
-    plan = checks._Plan.of(half, layout_of([half])[0])
-    assert (plan.complex_u is not None) == (plan.shape[2] % 2 == 0)
-    slab = checks._slab(half, plan)
-    torch.testing.assert_close(checks._row_projections(slab, plan), torch.bmm(slab, plan.u), rtol=1e-12, atol=1e-12)
+    layout = layout_of([half])
+    monkeypatch.setattr(fp, "_plans", {})
+    monkeypatch.setattr(fp, "_state_plans", {})
+    batched = fingerprint([half], layout)
+    monkeypatch.setattr(fp, "_TRANSPOSED_MIN", 0)  # small tensors take it too here
+    monkeypatch.setattr(fp, "_plans", {})
+    monkeypatch.setattr(fp, "_state_plans", {})
+    plan = fp._Plan.of(half, layout[0])
+    assert plan.u_t is not None
+    slab = fp._slab(half, plan)
+    torch.testing.assert_close(fp._row_projections(slab, plan), torch.bmm(slab, plan.u), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fingerprint([half], layout), batched, rtol=1e-12, atol=1e-12)
 
 
 def test_fingerprints_reach_the_host_in_one_copy_with_the_same_values():
@@ -325,20 +330,18 @@ def test_fingerprints_reach_the_host_in_one_copy_with_the_same_values():
         assert (direct == gathered).all()
 
 
-def test_row_projections_of_a_tensor_at_an_odd_offset_fall_back_to_the_batched_product(monkeypatch):
-    """A row of even length that does not start at an even offset cannot be seen as complex
-    numbers; the product is then the batched one, with the same values."""
+def test_row_projections_of_a_tensor_at_an_odd_offset_equal_the_batched_product(monkeypatch):
+    """The transposed product reads a tensor at any offset and strides (here offset 1, which a
+    complex view of the rows could not take) with the batched product's values."""
     from revtrain.core import fingerprint as fp
 
-    monkeypatch.setattr(fp, "_COMPLEX_MIN", 0)
+    monkeypatch.setattr(fp, "_TRANSPOSED_MIN", 0)
     monkeypatch.setattr(fp, "_plans", {})
     torch.manual_seed(0)
     x = torch.randn(1 + 8 * 4 * 16, dtype=torch.float64)[1:].view(8, 4, 16)  # storage offset 1
     plan = fp._Plan.of(x, fp.layout_of([x])[0])
-    assert plan.complex_u is not None  # the plan would take the complex path...
+    assert plan.u_t is not None
     slab = fp._slab(x, plan)
-    with pytest.raises(RuntimeError):
-        torch.view_as_complex(slab.view(*plan.shape[:2], plan.shape[2] // 2, 2))  # ...which cannot
     torch.testing.assert_close(fp._row_projections(slab, plan), torch.bmm(slab, plan.u), rtol=1e-12, atol=1e-12)
 
 
