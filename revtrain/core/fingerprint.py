@@ -222,11 +222,14 @@ def _row_projections(slab: Tensor, plan: _Plan) -> Tensor:
     On CPUs, from :data:`_TRANSPOSED_MIN` values, computed transposed: ``u^T X^T``, two rows of
     length ``L`` against the data, whatever its strides (``W`` comes back as a transposed view).
     MKL's product with two columns ran at a fraction of memory speed (600 µs for a
-    (32, 32, 1024) float32 slab alone; the transposed product 150 µs). Inside a step, right after
-    the state is computed, it was also the fastest of the batched, transposed and complex
-    multiply-and-sum products from 128K values on (at 524K, 92 µs against 168 and 334), and
-    whole M-mode steps ran 1–4% faster than with the complex path it replaced, which also needed
-    a temporary as large as its chunk (``benchmarks`` note in docs/core.md).
+    (32, 32, 1024) float32 slab alone; the transposed product 150 µs). Measured inside a step
+    (``python benchmarks/fingerprint_products.py``, ``results/fingerprint_products_cpu.md``):
+    right after the state is computed it is the fastest of the batched, transposed and complex
+    multiply-and-sum products from 64K values on (at 524K values 10–114 µs against 150–188 for
+    the complex path this replaced and 292–342 for the batched one), the batched one below
+    (at 4K, 18 against 33 µs); whole M-mode steps ran 3–5% faster than with the complex path
+    at three of four shapes with such halves (1% slower at the fourth, within noise), and the
+    transposed product needs no temporary.
     """
     if plan.u_t is not None:
         return torch.bmm(plan.u_t, slab.transpose(1, 2)).transpose(1, 2)
@@ -235,7 +238,7 @@ def _row_projections(slab: Tensor, plan: _Plan) -> Tensor:
 
 _TRANSPOSED_MIN = 1 << 15
 """Values from which a CPU tensor takes the transposed product of :func:`_row_projections`
-(below, the batched product was as fast or faster inside a step: 21 against 26 µs at 4K)."""
+(the batched product is faster at 4K values, the transposed one at 64K and above)."""
 
 FOLD_EVERY = 4
 """Rebuilt states whose row projections M-mode backward folds and compares together (fewer ops
