@@ -4,7 +4,12 @@ For each case (a reversible zoo model, an input size, a batch) the script measur
 steps (forward, cross-entropy, backward, ``optimizer.step()``) with the planner's one measuring
 function (:func:`revtrain.planner.measure_steps`): M-mode and C-mode steps of the same model
 alternate in rounds, so load changes hit both alike; then the plain twin (ordinary residual
-blocks, the same recipe) is measured on the same batch. Issue 11's goal is M / C <= 1.25.
+blocks, the same recipe) is measured on the same batch. Issue 11's goal is M / C <= 1.25. The
+rebuild floor beside it is ``1 +`` the time of one forward of the reversible blocks without a
+graph over the C step (:func:`rebuild_time`): what M / C would be if running those blocks once
+more in backward were all M-mode added. M / C above it is overhead beyond the rebuild (the
+check, per-block bookkeeping); below it, C-mode's stored activations cost time of their own
+(allocating and touching them), which M-mode saves.
 Writes ``results/zoo_modes_<device>.md`` and ``.json`` with the command, machine and load.
 
     python benchmarks/zoo_modes.py                      # RevNet-38/110 at digits and CIFAR sizes
@@ -18,7 +23,9 @@ import datetime as dt
 import json
 import os
 import shlex
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,6 +52,7 @@ def measure_case(model_name: str, side: int, batch_size: int, repeats: int, warm
     model = create_model(model_name, **overrides)
     with prepare(model, batch, device=device, repeats=repeats, warmup=warmup) as setup:
         modes = measure_steps(setup, {"M": "M", "C": "C"})
+    floor_s = rebuild_time(model, batch, repeats, device)
     twin_name = TWINS[model_name]
     torch.manual_seed(0)
     twin = create_model(twin_name, **overrides)
@@ -60,7 +68,52 @@ def measure_case(model_name: str, side: int, batch_size: int, repeats: int, warm
         "M_over_plain": m.step_time_s / plain.step_time_s, "C_over_plain": c.step_time_s / plain.step_time_s,
         "M_peak": m.peak_bytes, "C_peak": c.peak_bytes, "plain_peak": plain.peak_bytes,
         "rounds": len(m.times_s),
+        "rebuild_s": floor_s, "floor": 1 + floor_s / c.step_time_s,
     }
+
+
+def rebuild_time(model: torch.nn.Module, batch, repeats: int, device: str = "cpu") -> float:
+    """Median time of the work M-mode adds to a C-mode step: one forward, without a graph, of
+    every reversible block (M-mode's forward builds no graph for them, its backward rebuilds
+    them with one, so ``M - C`` is about this when compute decides). ``1 + this / C step`` is
+    the rebuild floor of M / C in the table. Timed with hooks
+    around each top-level ``ReversibleSequence`` in a C-mode forward under ``torch.no_grad``."""
+    from revtrain.core import ReversibleSequence, set_modes
+
+    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    x = x.to(device)
+    model = model.to(device)
+    set_modes(model, "C")
+    sequences = [m for m in model.modules() if isinstance(m, ReversibleSequence)]
+    inner = {id(c) for m in sequences for c in m.modules() if c is not m and isinstance(c, ReversibleSequence)}
+    spent = [0.0]
+    started: list[float] = []
+    sync = (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else (lambda: None)
+
+    def before(*_):
+        sync()
+        started.append(time.perf_counter())
+
+    def after(*_):
+        sync()
+        spent[0] += time.perf_counter() - started.pop()
+
+    handles = []
+    for m in sequences:
+        if id(m) not in inner:
+            handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
+    times = []
+    try:
+        with torch.no_grad():
+            for i in range(repeats + 2):
+                spent[0] = 0.0
+                model(x)
+                if i >= 2:
+                    times.append(spent[0])
+    finally:
+        for h in handles:
+            h.remove()
+    return statistics.median(times)
 
 
 def to_markdown(rows: list[dict], info: dict, command: str, load: tuple, threads: int, device: str = "cpu") -> str:
@@ -73,14 +126,18 @@ def to_markdown(rows: list[dict], info: dict, command: str, load: tuple, threads
         "- whole SGD steps (forward, cross-entropy, backward, optimizer step); M and C alternate in rounds "
         "until each median is known to 2% (planner's measure_steps); the twin is measured after, on the same batch",
         "",
-        "| model | input | batch | M step | C step | M / C (paired median) | goal ≤ 1.25 | twin | twin step | M / twin | M peak | C peak | twin peak |",
-        "|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
+        "- rebuild floor = 1 + (the reversible blocks' forward without a graph) / C step: M / C if running those"
+        " blocks once more in backward were all M-mode added; above it is overhead (the check, bookkeeping), below"
+        " it C-mode's stored activations cost time of their own",
+        "",
+        "| model | input | batch | M step | C step | M / C (paired median) | rebuild floor | goal ≤ 1.25 | twin | twin step | M / twin | M peak | C peak | twin peak |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         ok = "met" if r["M_over_C_paired"] <= 1.25 else "not met"
         lines.append(
             f"| {r['model']} | {r['side']}×{r['side']} | {r['batch']} | {r['M_s'] * 1e3:.1f} ms | {r['C_s'] * 1e3:.1f} ms | "
-            f"{r['M_over_C']:.3f} ({r['M_over_C_paired']:.3f}) | {ok} | {r['twin']} | {r['plain_s'] * 1e3:.1f} ms | "
+            f"{r['M_over_C']:.3f} ({r['M_over_C_paired']:.3f}) | {r['floor']:.2f} | {ok} | {r['twin']} | {r['plain_s'] * 1e3:.1f} ms | "
             f"{r['M_over_plain']:.2f} | {format_bytes(r['M_peak'])} | {format_bytes(r['C_peak'])} | {format_bytes(r['plain_peak'])} |"
         )
     return "\n".join(lines) + "\n"
@@ -113,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure_case(name, int(side), int(batch), args.repeats, args.warmup, args.device))
         r = rows[-1]
         print(f"{case}: M {r['M_s'] * 1e3:.1f} ms, C {r['C_s'] * 1e3:.1f} ms, M/C {r['M_over_C']:.3f} "
-              f"(paired {r['M_over_C_paired']:.3f}), twin {r['plain_s'] * 1e3:.1f} ms", flush=True)
+              f"(paired {r['M_over_C_paired']:.3f}, rebuild floor {r['floor']:.3f}), twin {r['plain_s'] * 1e3:.1f} ms", flush=True)
     after = os.getloadavg()
     info = machine_info(torch.device(args.device))
     out = args.out or ROOT / "results" / f"zoo_modes_{args.device.split(':')[0]}"
