@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from revtrain.bench import machine_info
+from revtrain.core import ReversibleSequence, set_modes
 from revtrain.memory import format_bytes
 from revtrain.models import create_model, input_spec
 from revtrain.planner import measure_steps, prepare
@@ -78,8 +79,6 @@ def rebuild_time(model: torch.nn.Module, batch, repeats: int, device: str = "cpu
     them with one, so ``M - C`` is about this when compute decides). ``1 + this / C step`` is
     the rebuild floor of M / C in the table. Timed with hooks
     around each top-level ``ReversibleSequence`` in a C-mode forward under ``torch.no_grad``."""
-    from revtrain.core import ReversibleSequence, set_modes
-
     x = batch[0] if isinstance(batch, (tuple, list)) else batch
     x = x.to(device)
     model = model.to(device)

@@ -152,7 +152,7 @@ class RunCheck:
         """The forward's fingerprints of layers ``start:stop``: a view where their rows follow
         each other (a run whose layers are all checked), else a copy."""
         rows = self._rows[start:stop]
-        if rows and rows[-1] - rows[0] == len(rows) - 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
             return self._prints_before[rows[0] : rows[-1] + 1]
         return self._prints_before[rows]
 
@@ -183,7 +183,7 @@ def _compare(before: Tensor, after: Tensor, out: Tensor) -> None:
     finite (1.0 or 0.0), from ``(layers, halves, 1 + PROJECTIONS)`` fingerprints; in their
     precision. On a CPU with numpy (a few microseconds against ~80 for torch's small ops inside
     a backward), elsewhere on the device, without a sync."""
-    if not out.is_cuda and before.dtype in _NUMPY_DTYPES and out.device.type == "cpu":
+    if out.device.type == "cpu" and before.dtype in _NUMPY_DTYPES:
         a, b, verdicts = after.detach().numpy(), before.detach().numpy(), out.numpy()
         with np.errstate(all="ignore"):  # non-finite values are what this looks for
             diff = a[..., 1:] - b[..., 1:]

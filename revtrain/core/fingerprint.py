@@ -49,7 +49,7 @@ EXACT_NORM_ROWS = 64
 _MAX_ROW = 4096
 _SEED = 0x5EED
 _FOLD_A, _FOLD_R = 4, 8  # random vectors across the two row dimensions: 2 x 4 x 8 = 64 projections
-_vectors: dict[tuple[int, int, int, torch.dtype, torch.device], tuple[Tensor, Tensor | None, Tensor, Tensor]] = {}
+_vectors: dict[tuple[int, int, int, torch.dtype, torch.device], tuple[Tensor, Tensor, Tensor, Tensor]] = {}
 
 Layout = tuple[int, ...]
 """Per tensor of a state, where its rows start (see :func:`layout_of`)."""
@@ -258,7 +258,7 @@ class _StatePlan(NamedTuple):
     plans: tuple[_Plan, ...]
     """Per tensor."""
     device_type: str
-    """Where autocast is switched off around the products if it is on."""
+    """The tensors' device type (autocast is switched off there around the products)."""
     shared: _Plan | None
     """The one plan of every tensor, where they share one and are not empty: such states fold
     as one batch (:meth:`Fingerprints._fold`)."""
@@ -275,10 +275,8 @@ class _StatePlan(NamedTuple):
             if plan is None:
                 plan = _plans[(k, x.shape, x.dtype, x.device)] = _Plan.of(x, k)
             plans.append(plan)
-        device = state[0].device
-        device_type = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
         shared = plans[0] if plans[0].u is not None and all(p is plans[0] for p in plans) else None
-        return cls(tuple(plans), device_type, shared, any(p.exact_norm for p in plans), sum(p.values for p in plans))
+        return cls(tuple(plans), state[0].device.type, shared, any(p.exact_norm for p in plans), sum(p.values for p in plans))
 
 
 _state_plans: dict[tuple, _StatePlan] = {}
@@ -324,10 +322,7 @@ class Fingerprints:
         """Take the fingerprint of ``state`` (cut into rows by ``layout``, default its own);
         returns its index into :meth:`results`."""
         plan = _state_plan(state, layout_of(state) if layout is None else layout)
-        if torch.is_autocast_enabled(plan.device_type):  # the products in the tensors' precision
-            with torch.autocast(plan.device_type, enabled=False):
-                rows, exact = _products(state, plan)
-        else:
+        with _full_precision(plan.device_type):  # the products in the tensors' precision
             rows, exact = _products(state, plan)
         index = self._folded + len(self._pending)
         self._pending.append((plan, rows, exact))
