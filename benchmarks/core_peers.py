@@ -4,7 +4,11 @@ One command, one table: for each shape (batch, channels, size, depth) the stack 
 ``revtrain.bench`` runs every method on the same F/G weights in one process (gradients checked
 against plain autograd first, methods timed round-robin), and this script pivots the rows into
 shapes × methods, with the step-time ratio to plain autograd and the peak memory of one step.
-Writes ``results/core_peers_<device>.md`` and ``.json``.
+A second table says, per shape, whether M-mode is faster or slower than plain autograd and each
+peer, and C-mode than plain: the median of the per-round ratios (the two methods timed in the
+same round) with a distribution-free 95% interval (``revtrain.timing.median_interval``); a
+difference is claimed only where the whole interval lies on one side of 1. Writes
+``results/core_peers_<device>.md`` and ``.json``.
 
     python benchmarks/core_peers.py --device cpu                 # the default grid
     python benchmarks/core_peers.py --device cpu --quick         # three shapes, for a smoke run
@@ -27,6 +31,7 @@ from revtrain.bench import OURS, PEERS, StackBenchConfig, installed_peers, machi
 from revtrain.bench.machine import busy_machine_note
 from revtrain.bench.peers import peer_status
 from revtrain.memory import format_bytes
+from revtrain.timing import MedianInterval, median_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,6 +91,45 @@ def pivot(results: list[tuple[tuple[int, int, int, int], list]], methods: list[s
     return "\n".join(lines)
 
 
+def paired(rows: list, pairs: list[tuple[str, str]]) -> dict[str, MedianInterval]:
+    """Per ``(a, b)`` pair: the per-round ratios of ``a``'s step to ``b``'s, as a median and
+    its 95% interval (the stack benchmark times every method once per round, in order)."""
+    by = {r.method: r.times_s for r in rows}
+    return {
+        f"{a}/{b}": median_interval([ta / tb for ta, tb in zip(by[a], by[b])])
+        for a, b in pairs
+        if a in by and b in by
+    }
+
+
+def comparisons(methods: list[str]) -> list[tuple[str, str]]:
+    """What the head-to-head table compares: M and C with plain, M with every peer."""
+    pairs = [(m, "plain") for m in ("M", "C") if m in methods]
+    return pairs + [("M", p) for p in methods if p in PEERS] if "M" in methods else pairs
+
+
+_VERDICTS = {"below": "faster", "above": "slower", "tie": "no difference shown"}
+
+
+def head_to_head(results: list[tuple[tuple[int, int, int, int], list]], methods: list[str]) -> str:
+    pairs = comparisons(methods)
+    names = [f"{a} / {b}" for a, b in pairs]
+    lines = ["| batch × ch × size, depth | " + " | ".join(names) + " |", "|:---|" + "---|" * len(pairs)]
+    for (b, c, s, d), rows in results:
+        found = paired(rows, pairs)
+        cells = []
+        for a, ref in pairs:
+            got = found.get(f"{a}/{ref}")
+            if got is None:
+                cells.append("–")
+                continue
+            # Against plain the ratio itself is the figure (M-mode rebuilds, so it is above 1).
+            verdict = "" if ref == "plain" else f" {_VERDICTS[got.verdict()]}"
+            cells.append(f"{got.median:.3f} [{got.low:.3f}, {got.high:.3f}]{verdict}")
+        lines.append(f"| {b} × {c} × {s}², {d} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = resolve_device(args.device)
@@ -109,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     after = machine_info(device)
     table = pivot(results, methods)
+    versus = head_to_head(results, methods)
     print(table)
+    print(versus)
     note = busy_machine_note(before, after, "Ratios are taken within one round-robin run per shape; "
                              "trust those where the wall ratio and the paired ratio (in brackets) agree.")
     hw = before.get("gpu") or before["cpu"]
@@ -131,14 +177,28 @@ def main(argv: list[str] | None = None) -> int:
     md += [f"- {n}" for n in notes]
     if note:
         md += ["", f"**Note:** {note}"]
-    md += ["", table, ""]
+    coverage = median_interval([0.0] * repeats).coverage
+    md += [
+        "", table, "",
+        "## Head to head",
+        "",
+        "Per-round ratios of the first method's step to the second's (both timed in the same "
+        f"round): median [interval], over {repeats} rounds. The interval holds the true median "
+        f"with probability {coverage:.1%} whatever the timings' distribution (order statistics; "
+        "`revtrain.timing.median_interval`). Against a peer, *faster* / *slower*: the whole "
+        "interval lies below / above 1; otherwise this run shows no difference.",
+        "",
+        versus,
+        "",
+    ]
     out = args.out if args.out is not None else ROOT / "results" / f"core_peers_{device.type}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(md))
     payload = {
         "command": command, "machine": before, "machine_after": after, "wall_s": wall, "notes": notes,
         "shapes": [
-            {"batch": b, "channels": c, "size": s, "depth": d, "rows": [r.to_dict() for r in rows]}
+            {"batch": b, "channels": c, "size": s, "depth": d, "rows": [r.to_dict() for r in rows],
+             "paired": {k: v._asdict() for k, v in paired(rows, comparisons(methods)).items()}}
             for (b, c, s, d), rows in results
         ],
     }

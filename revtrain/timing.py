@@ -3,7 +3,9 @@
 On CUDA a timing starts and stops with CUDA events, so it covers the kernels queued in between
 and not only their launch; on CPU it is ``time.perf_counter``. The planner and the benchmarks
 time with :func:`timer`, describe the spread of repeated timings with :func:`iqr`, and decide
-when enough repetitions were timed with :func:`median_is_stable`.
+when enough repetitions were timed with :func:`median_is_stable`. Whether one method is faster
+than another is read from paired ratios (the two timed in the same round) through
+:func:`median_interval`, a confidence interval that assumes nothing about their distribution.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["iqr", "median_is_stable", "median_stderr", "stderr_from_iqr", "timed", "timer"]
+__all__ = ["MedianInterval", "iqr", "median_interval", "median_is_stable", "median_stderr", "stderr_from_iqr", "timed", "timer"]
 
 # The standard error of the median of n normal samples is sqrt(pi/2) * sigma / sqrt(n), and a
 # normal sample's IQR is 1.349 sigma: se(median) = 0.929 * IQR / sqrt(n). The IQR makes the
@@ -82,3 +85,49 @@ def median_is_stable(values: Sequence[float], precision: float) -> bool:
     """Whether the median of ``values`` is known to ``precision`` of itself (its standard error,
     :func:`median_stderr`, is at most ``precision * |median|``)."""
     return bool(values) and median_stderr(values) <= precision * abs(statistics.median(values))
+
+
+class MedianInterval(NamedTuple):
+    """A confidence interval for the median of some values, from their order statistics."""
+
+    median: float
+    low: float
+    high: float
+    coverage: float
+    """The probability that the interval holds the true median: at least the confidence asked
+    for, or the most that so few values can give (``1 - 2^(1-n)``, for min to max)."""
+
+    def verdict(self, reference: float = 1.0) -> str:
+        """``"below"`` or ``"above"`` ``reference`` where the whole interval is, else ``"tie"``
+        (the values do not show a difference)."""
+        if self.high < reference:
+            return "below"
+        return "above" if self.low > reference else "tie"
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> MedianInterval:
+    """The median of ``values`` and a distribution-free confidence interval for it.
+
+    The interval runs from the ``j``-th smallest to the ``j``-th largest value, with ``j`` as
+    large as the confidence allows: the true median lies below the ``j``-th smallest of ``n``
+    independent values with probability ``P(Binomial(n, 1/2) <= j - 1)``, and likewise above the
+    ``j``-th largest. Nothing is assumed about the distribution (timings on a shared machine
+    have long tails), only that the values are independent: paired ratios of two methods timed
+    round by round are. With fewer than six values no interval reaches 95%; the interval is then
+    min to max and ``coverage`` says what it reaches.
+    """
+    xs = sorted(values)
+    n = len(xs)
+    if not n:
+        raise ValueError("median_interval needs at least one value")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must lie strictly between 0 and 1; got {confidence}")
+    tail = (1 - confidence) / 2
+    j = 1  # the interval is the j-th smallest to the j-th largest value
+    below = 0.5**n  # P(Binomial(n, 1/2) <= j - 1): the chance the median lies below the j-th smallest
+    while 2 * (j + 1) <= n + 1:  # the next j still leaves an interval
+        wider = below + math.comb(n, j) * 0.5**n
+        if wider > tail:
+            break
+        below, j = wider, j + 1
+    return MedianInterval(statistics.median(xs), xs[j - 1], xs[n - j], 1 - 2 * below)
