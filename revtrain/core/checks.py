@@ -25,11 +25,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from revtrain.core.fingerprint import FOLD_EVERY, PROJECTIONS, Fingerprints, Layout
+from revtrain.core.fingerprint import (
+    FOLD_EVERY,
+    PROJECTIONS,
+    Fingerprints,
+    Layout,
+    comparable_plan,
+    projection_errors,
+    row_projections,
+)
 from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 
 __all__ = [
     "check_rebuilds",
+    "verdict_dtype",
     "RunCheck",
     "PROJECTIONS",
     "FLOOR",
@@ -96,7 +105,7 @@ def check_rebuilds(checks: Sequence[RebuildCheck]) -> list[float]:
     for members in groups.values():
         before = torch.stack([checks[k].before for k in members])
         after = torch.stack([checks[k].after for k in members])  # type: ignore[misc]
-        verdicts = before.new_empty((*before.shape[:2], 2))
+        verdicts = before.new_empty(before.shape[:2], dtype=verdict_dtype(before.device))
         _compare(before, after, verdicts)
         summary = _summarise(*_on_host(
             before, verdicts, torch.stack([checks[k].output_norms.reshape(-1) for k in members])
@@ -114,7 +123,7 @@ class RunCheck:
 
     Rebuilt states are fingerprinted when added, folded every :data:`FOLD_EVERY` layers and
     compared at once with the forward's (:func:`_compare`): what waits through backward's memory
-    peak is two numbers per half (its projection error and whether it is finite), not its
+    peak is one number per half (its projection error, non-finite where the rebuild is), not its
     fingerprint. :meth:`finish` reads the verdicts of all layers on the host, with one copy from
     a GPU, and builds a :class:`RebuildCheck` only for a layer a message names.
 
@@ -127,26 +136,40 @@ class RunCheck:
     def __init__(self, prints: Tensor, rows: Sequence[int]) -> None:
         self._prints_before = prints
         self._rows = list(rows)
-        self._prints = Fingerprints()
-        self._added = 0
         self._compared = 0
+        # The layers added since the last comparison: their row projections where the state's
+        # plan allows comparing them directly (all of one plan), else their fingerprints.
+        self._waiting = 0
+        self._plan: object = None  # the waiting states' common plan; None: through _prints
+        self._projections: list[Tensor] = []
+        self._prints = Fingerprints()
         # Filled in as layers are compared (allocated once: 16 bytes per layer of two halves).
-        self._verdicts = prints.new_empty((len(self._rows), prints.shape[1], 2))
+        self._verdicts = prints.new_empty((len(self._rows), prints.shape[1]), dtype=verdict_dtype(prints.device))
 
     def add(self, state: Sequence[Tensor], layout: Layout) -> None:
         """The next layer's rebuilt input (fingerprinted with the forward's ``layout``)."""
-        self._prints.add(state, layout)
-        self._added += 1
-        if self._added - self._compared >= FOLD_EVERY:
+        plan = comparable_plan(state, layout)
+        if self._waiting and plan is not self._plan:
+            self._compare_waiting()  # one kind, one plan per comparison
+        self._plan = plan
+        if plan is not None:
+            self._projections.extend(row_projections(state, plan))
+        else:
+            self._prints.add(state, layout)
+        self._waiting += 1
+        if self._waiting >= FOLD_EVERY:
             self._compare_waiting()
 
     def _compare_waiting(self) -> None:
-        after = self._prints.take()
-        if after is None:
+        if not self._waiting:
             return
-        start, stop = self._compared, self._compared + after.shape[0]
-        _compare(self._before(start, stop), after, self._verdicts[start:stop])
-        self._compared = stop
+        start, stop = self._compared, self._compared + self._waiting
+        if self._plan is not None:
+            projection_errors(self._projections, self._plan, self._before(start, stop), self._verdicts[start:stop])  # type: ignore[arg-type]
+            self._projections = []
+        else:
+            _compare(self._before(start, stop), self._prints.take(), self._verdicts[start:stop])  # type: ignore[arg-type]
+        self._compared, self._waiting = stop, 0
 
     def _before(self, start: int, stop: int) -> Tensor:
         """The forward's fingerprints of layers ``start:stop``: a view where their rows follow
@@ -156,42 +179,68 @@ class RunCheck:
             return self._prints_before[rows[0] : rows[-1] + 1]
         return self._prints_before[rows]
 
-    def finish(self, layers: Sequence[object], where: Callable[[int], str], output_norms: Tensor) -> list[float]:
+    def finish(
+        self, layers: Sequence[object], where: Callable[[int], str], output_norms: Tensor, *, estimate: bool = False
+    ) -> list[float] | None:
         """Verdicts for all layers (``where(k)`` names layer ``k``, ``output_norms`` ``(layers,
-        m)`` are its forward output's norms): warns or raises as :func:`check_rebuilds` does;
-        returns the estimated relative error per layer."""
+        m)`` are its forward output's norms): warns or raises as :func:`check_rebuilds` does.
+
+        Returns the estimated relative error per layer, or None where every layer passed
+        :func:`_all_within` at a glance (the usual case: the estimates are then not worked
+        out); ``estimate=True`` always works them out."""
         self._compare_waiting()
         if len(layers) != self._compared:
             raise RuntimeError(f"{self._compared} rebuilt inputs for {len(layers)} checked layers")
         if not layers:
             return []
         before = self._before(0, len(layers))
+        host = _on_host(before, self._verdicts, output_norms)
+        if not estimate and _all_within(host[0], host[1], [getattr(layer, "drift_tolerance") for layer in layers]):
+            return None
 
         def check(k: int) -> RebuildCheck:
             layer = layers[k]
             return RebuildCheck(layer, functools.partial(where, k), before[k], None, output_norms[k],
                                 getattr(layer, "output_names", None))
 
-        errors, names = _read(_summarise(*_on_host(before, self._verdicts, output_norms)), check)
+        errors, names = _read(_summarise(*host), check)
         _report(errors, names, layers, check)
         return errors
 
 
+def _all_within(before: np.ndarray, verdicts: np.ndarray, tolerances: Sequence[float]) -> bool:
+    """Whether every layer passes at a glance: each rebuilt half finite and its projection
+    error within its layer's tolerance of its own forward norm. :func:`_summarise` divides by
+    at least that norm, so a layer that passes here has a relative error within tolerance
+    there too; anything else (a larger error, a zero or non-finite norm) goes to the full
+    summary. A few array ops where the summary takes ~30: at a small shape the summary was 2%
+    of an M-mode step."""
+    with np.errstate(all="ignore"):  # inf * 0 and NaNs only fail the test
+        limit = np.asarray(tolerances, dtype=np.float64)[:, None] * (math.sqrt(PROJECTIONS) * before[..., 0])
+        return bool(np.isfinite(verdicts).all() and (verdicts <= limit).all())
+
+
 def _compare(before: Tensor, after: Tensor, out: Tensor) -> None:
-    """Fill ``out`` ``(layers, halves, 2)``: per half, the root sum of squares of its
-    projections' differences (rebuilt minus forward) and whether the rebuilt fingerprint is
-    finite (1.0 or 0.0), from ``(layers, halves, 1 + PROJECTIONS)`` fingerprints; in their
-    precision. On a CPU with numpy (a few microseconds against ~80 for torch's small ops inside
-    a backward), elsewhere on the device, without a sync."""
+    """Fill ``out`` ``(layers, halves)`` with each half's verdict: the root sum of squares of
+    its projections' differences (rebuilt minus forward), from ``(layers, halves, 1 +
+    PROJECTIONS)`` fingerprints, summed in ``out``'s precision (:func:`verdict_dtype`): non-finite
+    exactly where a rebuilt projection is. On a CPU with numpy (a few microseconds against ~80
+    for torch's small ops inside a backward), elsewhere on the device, without a sync."""
     if out.device.type == "cpu" and before.dtype in _NUMPY_DTYPES:
         a, b, verdicts = after.detach().numpy(), before.detach().numpy(), out.numpy()
         with np.errstate(all="ignore"):  # non-finite values are what this looks for
-            diff = a[..., 1:] - b[..., 1:]
-            np.sqrt(np.einsum("lhp,lhp->lh", diff, diff), out=verdicts[..., 0])
-            verdicts[..., 1] = np.isfinite(a).all(axis=-1)
+            diff = a[..., 1:].astype(verdicts.dtype) - b[..., 1:]
+            np.sqrt(np.einsum("lhp,lhp->lh", diff, diff), out=verdicts)
         return
-    out[..., 0] = torch.linalg.vector_norm(after[..., 1:] - before[..., 1:], dim=-1)
-    out[..., 1] = torch.isfinite(after).all(dim=-1)
+    torch.linalg.vector_norm(after[..., 1:] - before[..., 1:], dim=-1, dtype=out.dtype, out=out)
+
+
+def verdict_dtype(device: torch.device) -> torch.dtype:
+    """The precision of the verdicts: float64 where the device has it, so that a sum of squares
+    of float32 differences cannot overflow (a verdict is then non-finite exactly where a rebuilt
+    projection is; float64 states would need differences above 1e154). Apple's MPS has no
+    float64: float32 there, where a difference above ~1e18 would read as non-finite."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 _NUMPY_DTYPES = (torch.float32, torch.float64)
@@ -231,11 +280,12 @@ def _report(errors: list[float], names: list[str], layers: Sequence[object], che
 
 
 def _on_host(*tensors: Tensor, gather: bool | None = None) -> list[np.ndarray]:
-    """The tensors as float64 arrays in host memory: from a GPU in one copy (one sync), from
-    the CPU without a copy. ``gather`` forces the one-copy path (a test runs it on the CPU)."""
+    """The tensors as arrays in host memory: from a GPU in one copy (one sync, as float64),
+    from the CPU without a copy (in their own dtype). ``gather`` forces the one-copy path (a
+    test runs it on the CPU)."""
     tensors = tuple(t.detach() for t in tensors)
     if not (tensors[0].device.type != "cpu" if gather is None else gather):
-        return [t.numpy().astype(np.float64, copy=False) for t in tensors]
+        return [t.numpy() for t in tensors]
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
     sizes = np.cumsum([t.numel() for t in tensors])[:-1]
     return [part.reshape(t.shape) for part, t in zip(np.split(flat, sizes), tensors)]
@@ -246,17 +296,19 @@ def _summarise(before: np.ndarray, verdicts: np.ndarray, out_norms: np.ndarray) 
     number of halves and the first non-finite rebuilt half.
 
     ``before``: ``(layers, halves, 1 + PROJECTIONS)`` forward fingerprints; ``verdicts``:
-    ``(layers, halves, 2)`` from :func:`_compare`; ``out_norms``: ``(layers, m)``.
+    ``(layers, halves)`` from :func:`_compare` or :func:`~revtrain.core.fingerprint.projection_errors`;
+    ``out_norms``: ``(layers, m)``. Worked out in float64.
     """
+    before, verdicts, out_norms = (a.astype(np.float64, copy=False) for a in (before, verdicts, out_norms))
     with np.errstate(all="ignore"):  # non-finite values are what this looks for
         finite_before = np.isfinite(before).reshape(len(before), -1).all(axis=1)
-        finite_halves = verdicts[..., 1] > 0
+        finite_halves = np.isfinite(verdicts)
         finite_after = finite_halves.all(axis=1)
         first_bad = np.argmin(finite_halves, axis=1)
         in_scale = np.sqrt(np.square(before[..., 0]).sum(axis=1))
         out_scale = np.sqrt(np.square(out_norms).sum(axis=1))
         scale = np.fmax(in_scale, out_scale)  # fmax: a non-finite output norm does not poison it
-        error = verdicts[..., 0] / math.sqrt(PROJECTIONS)  # root mean square over the projections
+        error = verdicts / math.sqrt(PROJECTIONS)  # root mean square over the projections
         denominator = np.fmax(before[..., 0], FLOOR * scale[:, None])
         # Input and output exactly zero: any rebuilt value is wrong.
         zero = np.where(error > 0, math.inf, 0.0)

@@ -35,7 +35,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["fingerprint", "Fingerprints", "layout_of", "Layout", "PROJECTIONS", "EXACT_NORM_ROWS", "FOLD_EVERY"]
+__all__ = [
+    "fingerprint", "Fingerprints", "layout_of", "Layout", "PROJECTIONS", "EXACT_NORM_ROWS", "FOLD_EVERY",
+    "comparable_plan", "row_projections", "projection_errors",
+]
 
 ROW_VECTORS = 2
 """Random vectors along the rows (both applied in one batched matrix product)."""
@@ -437,6 +440,49 @@ def _products(state: Sequence[Tensor], plan: _StatePlan) -> tuple[list[Tensor | 
         rows.append(_row_projections(slab, p))
         exact.append(torch.linalg.vector_norm(slab) if p.exact_norm else None)
     return rows, exact
+
+
+def comparable_plan(state: Sequence[Tensor], layout: Layout) -> _Plan | None:
+    """The one plan of a state whose rebuilt row projections :func:`projection_errors` can
+    compare directly: tensors of one non-empty shape whose fold is one matrix (the usual state
+    of a stack); None for any other state (it goes through :class:`Fingerprints`)."""
+    shared = _state_plan(state, layout).shared
+    return shared if shared is not None and len(shared.fold) == 1 else None  # type: ignore[arg-type]
+
+
+def row_projections(state: Sequence[Tensor], plan: _Plan) -> list[Tensor]:
+    """``W`` of each tensor of a state whose tensors share ``plan`` (the pass over the data,
+    without the norms: a rebuilt state's fingerprint is compared by its projections)."""
+    with _full_precision(state[0].device.type):
+        return [_row_projections(_slab(x, plan), plan) for x in state]
+
+
+def projection_errors(ws: list[Tensor], plan: _Plan, before: Tensor, out: Tensor) -> None:
+    """Compare rebuilt states with the forward's fingerprints in one product.
+
+    ``ws``: the row projections of ``n`` rebuilt states of ``h`` tensors each, state by state
+    (:func:`row_projections`); ``before``: the forward's fingerprints of those states, ``(n, h,
+    1 + PROJECTIONS)``. Fills ``out`` ``(n, h)`` with each tensor's verdict: the root sum of
+    squares of its projections' differences, summed in ``out``'s dtype (float64 in
+    ``core/checks.py``: non-finite exactly where a rebuilt projection is, and a non-finite value
+    in the data makes its projections non-finite). The fold and the difference are one
+    ``baddbmm``, ``W^T (s_A ⊗ s_R) - p_before``; the rebuilt fingerprints themselves are never
+    formed. Three ops per group of states where folding them and comparing took ~15: inside an
+    M-mode step each small op cost several times what it costs alone (a small step's
+    comparisons took 3% of it).
+    """
+    n, h = before.shape[0], before.shape[1]
+    (fold,) = plan.fold  # type: ignore[misc]
+    with _full_precision(before.device.type):
+        w = torch.stack(ws)  # (n * h, A, R, 2), contiguous whatever the products' strides
+        rows = w.shape[1] * w.shape[2]
+        diff = torch.baddbmm(
+            before[..., 1:].reshape(n * h, ROW_VECTORS, -1),
+            w.view(n * h, rows, ROW_VECTORS).transpose(1, 2),
+            fold.expand(n * h, *fold.shape),
+            beta=-1,
+        )
+        torch.linalg.vector_norm(diff.view(n, h, PROJECTIONS), dim=-1, dtype=out.dtype, out=out)
 
 
 def _full_precision(device_type: str) -> contextlib.AbstractContextManager:

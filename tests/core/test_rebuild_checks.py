@@ -3,8 +3,10 @@ the right step when values are not finite."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -227,16 +229,22 @@ def test_rebuilt_contiguous_halves_compare_with_strided_originals(split_dim, sha
 def test_check_every_samples_the_layers_staggered_and_covers_each_in_turn(monkeypatch):
     """``check_every=2``: each step fingerprints half of a run's blocks (forward and rebuild),
     alternating, so two steps check every block once."""
+    from revtrain.core.checks import RunCheck
     from revtrain.core.fingerprint import Fingerprints
 
     seen: list[bool] = []  # per fingerprint taken: was it of an input (forward or rebuild)?
-    original = Fingerprints.add
+    forward, rebuild = Fingerprints.add, RunCheck.add
 
-    def counting(self, state, layout=None):
+    def counting_forward(self, state, layout=None):
         seen.append(layout is not None)
-        return original(self, state, layout)
+        return forward(self, state, layout)
 
-    monkeypatch.setattr(Fingerprints, "add", counting)
+    def counting_rebuild(self, state, layout):
+        seen.append(True)
+        return rebuild(self, state, layout)
+
+    monkeypatch.setattr(Fingerprints, "add", counting_forward)
+    monkeypatch.setattr(RunCheck, "add", counting_rebuild)
     torch.manual_seed(0)
     model = make_stack(4, check_every=2)
     checked = []
@@ -319,15 +327,17 @@ def test_row_projections_on_cpu_equal_the_batched_product(monkeypatch, shape):
 
 def test_fingerprints_reach_the_host_in_one_copy_with_the_same_values():
     """From a GPU the check copies before, after and output norms to the host together (one
-    sync); that path, forced on the CPU, gives exactly the arrays read in place."""
+    sync, as float64); that path, forced on the CPU, gives exactly the values of the arrays
+    read in place (which keep their dtype and share the tensors' memory)."""
     from revtrain.core.checks import _on_host
 
     torch.manual_seed(0)
     tensors = (torch.randn(3, 2, 65, dtype=torch.float64), torch.randn(3, 2, 65, dtype=torch.float64),
                torch.randn(3, 2, dtype=torch.float32))
-    for direct, gathered in zip(_on_host(*tensors), _on_host(*tensors, gather=True)):
-        assert direct.dtype == gathered.dtype and direct.shape == gathered.shape
-        assert (direct == gathered).all()
+    for tensor, direct, gathered in zip(tensors, _on_host(*tensors), _on_host(*tensors, gather=True)):
+        assert direct.dtype == tensor.numpy().dtype and gathered.dtype == np.float64
+        assert np.shares_memory(direct, tensor.numpy())
+        assert direct.shape == gathered.shape and (direct.astype(np.float64) == gathered).all()
 
 
 def test_row_projections_of_a_tensor_at_an_odd_offset_equal_the_batched_product(monkeypatch):
@@ -349,43 +359,147 @@ def test_row_projections_of_a_tensor_at_an_odd_offset_equal_the_batched_product(
 
 
 @pytest.mark.parametrize("rows", [[1, 2, 3, 4, 5, 6], [6, 4, 3, 1, 0]], ids=["every layer", "some layers"])
-@pytest.mark.parametrize("with_numpy", [True, False], ids=["numpy", "torch ops"])
-def test_run_check_gives_check_rebuilds_verdicts(rows, with_numpy, monkeypatch):
+@pytest.mark.parametrize("path", ["one product", "numpy", "torch ops"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_run_check_gives_check_rebuilds_verdicts(rows, path, dtype, monkeypatch):
     """``RunCheck`` compares rebuilt inputs with the forward's as they come (groups of
-    ``FOLD_EVERY``, forward rows a view or a copy; with numpy on CPUs, torch ops elsewhere):
-    the same errors, to float32 rounding, as ``check_rebuilds`` on whole fingerprints; a
-    non-finite rebuild raises naming its half."""
+    ``FOLD_EVERY``, forward rows a view or a copy): states of one shape by one product against
+    the forward's projections (``projection_errors``), others through whole fingerprints (with
+    numpy on CPUs, torch ops elsewhere). The same errors as ``check_rebuilds`` on whole
+    fingerprints: to 1e-9 in float64; in float32 to its rounding of the projections (the one
+    product sums in another order than fold-then-subtract: ~1e-7 of the state's norm, so 1e-6
+    absolute on the relative errors). A non-finite rebuild raises naming its half."""
     from revtrain.core import checks
+    from revtrain.core import fingerprint as fp
     from revtrain.core.checks import RunCheck
     from revtrain.core.fingerprint import Fingerprints
 
-    if not with_numpy:
+    if path == "torch ops":
         monkeypatch.setattr(checks, "_NUMPY_DTYPES", ())
+    products = []
+    monkeypatch.setattr(checks, "projection_errors", lambda *a: products.append(1) or fp.projection_errors(*a))
 
     torch.manual_seed(0)
-    states = [(torch.randn(4, 4, 6, 6), torch.randn(4, 4, 6, 6)) for _ in range(7)]
+    # Halves of two shapes have no one plan: they go through whole fingerprints.
+    second = (4, 4, 6, 6) if path == "one product" else (4, 2, 6, 6)
+    states = [(torch.randn(4, 4, 6, 6, dtype=dtype), torch.randn(second, dtype=dtype)) for _ in range(7)]
     taken = Fingerprints()
     for state in states:
         taken.add(state)
     prints = taken.stacked(range(7))
     rebuilt = [tuple(x + 10.0 ** -(2 + k % 3) * torch.randn_like(x) for x in states[r]) for k, r in enumerate(rows)]
     layers = [ReversibleBlock(nn.Identity(), nn.Identity(), drift_tolerance=1.0) for _ in rows]
-    out_norms = torch.ones(len(rows), 2)
+    out_norms = torch.ones(len(rows), 2, dtype=dtype)
     check = RunCheck(prints, rows)
     # A run whose layers are all checked reads the forward's rows as views (no copy at the peak).
     assert (check._before(0, 4).data_ptr() == prints[1].data_ptr()) == (rows[0] == 1)
     for state in rebuilt:
         check.add(state, layout_of(state))
-    errors = check.finish(layers, str, out_norms)
+    errors = check.finish(layers, str, out_norms, estimate=True)
+    assert len(products) == (2 if path == "one product" else 0)  # groups of FOLD_EVERY = 4
     reference = check_rebuilds([
         RebuildCheck(layer, "ref", fingerprint(states[r]), fingerprint(state), out_norms[k])
         for k, (layer, r, state) in enumerate(zip(layers, rows, rebuilt))
     ])
     assert all(e > 1e-5 for e in errors)
-    torch.testing.assert_close(torch.tensor(errors), torch.tensor(reference), rtol=1e-5, atol=0)
+    atol = 0.0 if dtype == torch.float64 else 1e-6
+    rtol = 1e-9 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(torch.tensor(errors), torch.tensor(reference), rtol=rtol, atol=atol)
 
     check = RunCheck(prints, rows)
     for k, state in enumerate(rebuilt):
         check.add((state[0], state[1].clone().fill_(float("inf"))) if k == 2 else state, layout_of(state))
     with pytest.raises(ReconstructionError, match=r"layer 2 .*non-finite values \(input x2\)"):
         check.finish(layers, lambda k: f"layer {k}", out_norms)
+
+
+def test_the_quick_screen_passes_only_layers_the_full_summary_passes():
+    """``RunCheck.finish`` skips the full summary where every layer passes ``_all_within``;
+    that screen must never pass a layer whose estimated error exceeds its tolerance (it
+    divides by the half's own norm, the summary by at least that), whatever the values:
+    errors near the tolerance, zero and non-finite norms, non-finite rebuilds."""
+    from revtrain.core.checks import _all_within, _summarise
+
+    rng = np.random.default_rng(0)
+    passed = failed_but_fine = 0
+    for trial in range(2000):
+        layers, halves = rng.integers(1, 6), rng.integers(1, 3)
+        before = rng.standard_normal((layers, halves, 65)).astype(np.float32)
+        before[..., 0] = np.abs(before[..., 0]) * 10.0 ** rng.uniform(-3, 3, (layers, halves))
+        tolerances = 10.0 ** rng.uniform(-4, -1, layers)
+        # Projection errors around each layer's limit: tolerance x sqrt(P) x the half's norm.
+        verdicts = tolerances[:, None] * 8.0 * before[..., 0] * rng.uniform(0.5, 1.5, (layers, halves))
+        special = rng.integers(0, 6)
+        if special == 1:
+            before[rng.integers(layers), rng.integers(halves), 0] = 0.0  # a zero half
+        elif special == 2:
+            before[rng.integers(layers), rng.integers(halves), 0] = np.nan
+        elif special == 3:
+            verdicts[rng.integers(layers), rng.integers(halves)] = np.inf  # a non-finite rebuild
+        elif special == 4:
+            verdicts[...] = 0.0
+        out_norms = np.abs(rng.standard_normal((layers, halves))).astype(np.float32)
+        summary = _summarise(before, verdicts, out_norms)
+        finite_before, finite_after, worst = summary[:, 0], summary[:, 1], summary[:, 2]
+        fine = bool(np.all((finite_before == 0) | ((finite_after == 1) & (worst <= tolerances))))
+        if _all_within(before, verdicts, list(tolerances)):
+            passed += 1
+            assert fine, f"trial {trial}: the screen passed what the summary flags"
+        elif fine:
+            failed_but_fine += 1
+    # Both outcomes occur: the test exercises the screen on both sides of the limit.
+    assert passed > 100 and failed_but_fine > 100
+
+
+def test_finish_reports_drift_after_a_failed_screen_and_nothing_after_a_passed_one():
+    from revtrain.core.checks import RunCheck
+    from revtrain.core.fingerprint import Fingerprints
+
+    torch.manual_seed(0)
+    states = [(torch.randn(4, 4, 6, 6), torch.randn(4, 4, 6, 6)) for _ in range(3)]
+    taken = Fingerprints()
+    for state in states:
+        taken.add(state)
+    prints = taken.stacked(range(3))
+    layers = [ReversibleBlock(nn.Identity(), nn.Identity(), drift_tolerance=1e-3) for _ in range(3)]
+    out_norms = torch.ones(3, 2)
+
+    def run(noise: float) -> RunCheck:
+        check = RunCheck(prints, [0, 1, 2])
+        for state in states:
+            check.add(tuple(x + noise * torch.randn_like(x) for x in state), layout_of(state))
+        return check
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run(0.0).finish(layers, str, out_norms) is None  # screened: no estimates worked out
+    errors = run(0.0).finish(layers, str, out_norms, estimate=True)
+    assert errors is not None and max(errors) < 1e-6
+    with pytest.warns(ReconstructionDriftWarning, match="3 of 3 checked layers"):
+        errors = run(0.1).finish(layers, str, out_norms)
+    assert errors is not None and min(errors) > 1e-2
+
+
+@pytest.mark.parametrize("path", ["one product", "fingerprints"])
+def test_a_huge_but_finite_rebuild_error_is_drift_not_a_non_finite_rebuild(path):
+    """Verdicts are summed in float64: a float32 rebuild that is off by 1e30 (its squares
+    overflow float32) warns of drift; only a non-finite rebuild raises as one."""
+    from revtrain.core.checks import RunCheck
+    from revtrain.core.fingerprint import Fingerprints
+
+    torch.manual_seed(0)
+    second = (4, 4, 6, 6) if path == "one product" else (4, 2, 6, 6)
+    state = (torch.randn(4, 4, 6, 6), torch.randn(second))
+    taken = Fingerprints()
+    taken.add(state)
+    prints = taken.stacked([0])
+    layers = [ReversibleBlock(nn.Identity(), nn.Identity())]
+    check = RunCheck(prints, [0])
+    check.add((state[0] + 1e30, state[1]), layout_of(state))
+    with pytest.warns(ReconstructionDriftWarning, match="drifted .* by [0-9.]+e\\+(2|3)[0-9]"):
+        errors = check.finish(layers, str, torch.ones(1, 2))
+    assert errors is not None and math.isfinite(errors[0])
+    check = RunCheck(prints, [0])
+    check.add((state[0], torch.full_like(state[1], float("nan"))), layout_of(state))
+    with pytest.raises(ReconstructionError, match=r"non-finite values \(input x2\)"):
+        check.finish(layers, str, torch.ones(1, 2))
