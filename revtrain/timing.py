@@ -18,7 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MedianInterval", "iqr", "median_interval", "median_is_stable", "median_stderr", "stderr_from_iqr", "timed", "timer"]
+__all__ = [
+    "MedianInterval", "iqr", "median_interval", "median_is_stable", "median_stderr", "stderr_from_iqr", "timed", "timer",
+]
 
 # The standard error of the median of n normal samples is sqrt(pi/2) * sigma / sqrt(n), and a
 # normal sample's IQR is 1.349 sigma: se(median) = 0.929 * IQR / sqrt(n). The IQR makes the

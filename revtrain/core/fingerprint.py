@@ -18,7 +18,9 @@ a fixed seed (never from torch's global generators) and cached.
 The pass over the data and the fold are separate (:class:`Fingerprints`): each state costs one
 product per tensor when it is taken, and the fold runs once for all the states of a run, in
 the tensors' own precision whatever the autocast setting. On small tensors the cost is the
-number of ops, not the data: this cut it from ~15 ops per state to 2. On CPUs, tensors from
+number of ops, not the data: this cut it from ~15 ops per state to 2. Backward compares rebuilt
+states without forming their fingerprints: one product folds a group's row projections and
+subtracts the forward's projections (:func:`projection_errors`). On CPUs, tensors from
 32K values take the product transposed (``u^T X^T``, two rows against the data,
 :func:`_row_projections`): MKL's two-column product ``X u`` ran at a fraction of memory speed.
 
@@ -244,8 +246,9 @@ _TRANSPOSED_MIN = 1 << 15
 (the batched product is faster at 4K values, the transposed one at 64K and above)."""
 
 FOLD_EVERY = 4
-"""Rebuilt states whose row projections M-mode backward folds and compares together (fewer ops
-per state the more, but ``W`` of a small tensor outweighs its fingerprint: at batch 8, 8
+"""Rebuilt states whose row projections M-mode backward compares together (one
+:func:`projection_errors` for states of one plan; fewer ops per state the more, but ``W`` of a
+small tensor outweighs its fingerprint and waits through backward's peak: at batch 8, 8
 channels, 8×8 a half's ``W`` is 512 bytes against 260 folded; at batch 8, 16 channels, 8×8,
 depth 16 folding every 4 states took the step's peak from 319 to 314 KiB for ~2% of its time,
 and comparing them at once instead of keeping their fingerprints to 307.7 KiB)."""
@@ -304,10 +307,10 @@ class Fingerprints:
     giving its row projections ``W``); the few small ops that fold ``W`` into norms and
     projections run once for several states (on small tensors the number of ops, not the data,
     is the check's cost): when :data:`_MAX_PENDING` values of ``W`` wait, and when the results
-    are read (:meth:`stacked`, :meth:`take`, :meth:`results`). The forward reads once per run;
-    M-mode backward (``RunCheck`` in ``core/checks.py``) takes its rebuilt states every
-    :data:`FOLD_EVERY` (``W`` of a small tensor outweighs its fingerprint, and they wait through
-    backward's memory peak).
+    are read (:meth:`stacked`, :meth:`take`, :meth:`results`). The forward reads once per run.
+    M-mode backward (``RunCheck`` in ``core/checks.py``) compares rebuilt states of one plan by
+    their row projections (:func:`row_projections`, :func:`projection_errors`) and takes only
+    other states through here, every :data:`FOLD_EVERY`.
     """
 
     def __init__(self) -> None:
