@@ -121,11 +121,13 @@ class RunCheck:
     """Backward's side of an M-mode run's check: compares each rebuilt input with the forward's
     fingerprint as the rebuilds come, keeping per layer only what the verdict needs.
 
-    Rebuilt states are fingerprinted when added, folded every :data:`FOLD_EVERY` layers and
-    compared at once with the forward's (:func:`_compare`): what waits through backward's memory
-    peak is one number per half (its projection error, non-finite where the rebuild is), not its
-    fingerprint. :meth:`finish` reads the verdicts of all layers on the host, with one copy from
-    a GPU, and builds a :class:`RebuildCheck` only for a layer a message names.
+    Each rebuilt state's row projections are taken when it is added; every :data:`FOLD_EVERY`
+    layers they are compared at once with the forward's fingerprints, in one product for states
+    of one plan (:func:`~revtrain.core.fingerprint.projection_errors`), through whole fingerprints
+    otherwise (:func:`_compare`). What waits through backward's memory peak is one number per
+    half (its projection error, non-finite where the rebuild is), not its fingerprint.
+    :meth:`finish` reads the verdicts of all layers on the host, with one copy from a GPU,
+    screens them, and builds a :class:`RebuildCheck` only for a layer a message names.
 
     Args:
         prints: The forward's fingerprints, ``(states, halves, 1 + PROJECTIONS)``.
