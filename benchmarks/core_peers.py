@@ -4,10 +4,10 @@ One command, one table: for each shape (batch, channels, size, depth) the stack 
 ``revtrain.bench`` runs every method on the same F/G weights in one process (gradients checked
 against plain autograd first, methods timed round-robin), and this script pivots the rows into
 shapes × methods, with the step-time ratio to plain autograd and the peak memory of one step.
-A second table says, per shape, whether M-mode is faster or slower than plain autograd and each
-peer, and C-mode than plain: the median of the per-round ratios (the two methods timed in the
-same round) with a distribution-free 95% interval (``revtrain.timing.median_interval``); a
-difference is claimed only where the whole interval lies on one side of 1. Writes
+A second table compares, per shape, M-mode and C-mode with plain autograd and M-mode with each
+peer: the median of the per-round ratios (the two methods timed in the same round) with a
+distribution-free interval of at least 95% (``revtrain.timing.median_interval``); a peer
+verdict is given only where the whole interval lies on one side of 1. Writes
 ``results/core_peers_<device>.md`` and ``.json``.
 
     python benchmarks/core_peers.py --device cpu                 # the default grid
@@ -93,7 +93,7 @@ def pivot(results: list[tuple[tuple[int, int, int, int], list]], methods: list[s
 
 def paired(rows: list, pairs: list[tuple[str, str]]) -> dict[str, MedianInterval]:
     """Per ``(a, b)`` pair: the per-round ratios of ``a``'s step to ``b``'s, as a median and
-    its 95% interval (the stack benchmark times every method once per round, in order)."""
+    its interval of at least 95% (the stack benchmark times every method once per round)."""
     by = {r.method: r.times_s for r in rows}
     return {
         f"{a}/{b}": median_interval([ta / tb for ta, tb in zip(by[a], by[b])])

@@ -125,11 +125,12 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> Median
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie strictly between 0 and 1; got {confidence}")
     tail = (1 - confidence) / 2
+    total = 2**n  # counts of the 2^n equally likely sign patterns, kept exact (no overflow at any n)
     j = 1  # the interval is the j-th smallest to the j-th largest value
-    below = 0.5**n  # P(Binomial(n, 1/2) <= j - 1): the chance the median lies below the j-th smallest
+    below = 1  # patterns with at most j - 1 values below the median: P(Binomial(n, 1/2) <= j - 1) * 2^n
     while 2 * (j + 1) <= n + 1:  # the next j still leaves an interval
-        wider = below + math.comb(n, j) * 0.5**n
-        if wider > tail:
+        wider = below + math.comb(n, j)
+        if wider / total > tail:  # int / int: correctly rounded
             break
         below, j = wider, j + 1
-    return MedianInterval(statistics.median(xs), xs[j - 1], xs[n - j], 1 - 2 * below)
+    return MedianInterval(statistics.median(xs), xs[j - 1], xs[n - j], 1 - 2 * (below / total))

@@ -65,3 +65,12 @@ def test_bad_arguments_are_named() -> None:
 def test_iqr() -> None:
     assert iqr([1.0]) == 0.0
     assert iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("n", [1033, 1100, 5000])
+def test_many_rounds_keep_exact_counts(n: int) -> None:
+    """The binomial counts stay exact integers: 2^n no longer fits a float from n = 1024."""
+    got = median_interval([float(i) for i in range(n)])
+    assert got.low < got.median < got.high and 0.95 <= got.coverage < 0.96
+    j = int(got.low) + 1
+    assert 1 - 2 * _binomial_cdf(j - 1, n) == pytest.approx(got.coverage)

@@ -1,8 +1,9 @@
 """Checks on every rebuild: does the rebuilt input match the one the forward saw?
 
 The forward records a small *fingerprint* of each layer's input state and the scale of the
-run's output (``core/fingerprint.py``); backward computes the same fingerprint of the rebuilt
-state and compares, with one device sync for a whole run of layers.
+run's output (``core/fingerprint.py``); backward takes the same projections of the rebuilt
+state and compares (folding them and subtracting the forward's in one product where it can),
+with one device sync for a whole run of layers.
 
 The estimated error of one half is ``rms_j |Δp_j|`` over the :data:`PROJECTIONS` projections,
 divided by ``max(‖x_half‖, FLOOR · s)``, where ``s`` is the larger of the norms of the layer's
@@ -150,7 +151,7 @@ class RunCheck:
 
     def add(self, state: Sequence[Tensor], layout: Layout) -> None:
         """The next layer's rebuilt input (fingerprinted with the forward's ``layout``)."""
-        plan = comparable_plan(state, layout)
+        plan = comparable_plan(state, layout, self._prints_before.dtype)
         if self._waiting and plan is not self._plan:
             self._compare_waiting()  # one kind, one plan per comparison
         self._plan = plan
@@ -211,15 +212,17 @@ class RunCheck:
 
 
 def _all_within(before: np.ndarray, verdicts: np.ndarray, tolerances: Sequence[float]) -> bool:
-    """Whether every layer passes at a glance: each rebuilt half finite and its projection
-    error within its layer's tolerance of its own forward norm. :func:`_summarise` divides by
-    at least that norm, so a layer that passes here has a relative error within tolerance
-    there too; anything else (a larger error, a zero or non-finite norm) goes to the full
-    summary. A few array ops where the summary takes ~30: at a small shape the summary was 2%
-    of an M-mode step."""
-    with np.errstate(all="ignore"):  # inf * 0 and NaNs only fail the test
-        limit = np.asarray(tolerances, dtype=np.float64)[:, None] * (math.sqrt(PROJECTIONS) * before[..., 0])
-        return bool(np.isfinite(verdicts).all() and (verdicts <= limit).all())
+    """Whether every layer passes at a glance: each rebuilt half finite and its relative error,
+    measured against its own forward norm, within its layer's tolerance. The arithmetic is
+    :func:`_summarise`'s (the error per projection over a denominator, in float64), whose
+    denominator is at least that norm; division rounds monotonically, so a layer that passes
+    here has a relative error within tolerance there too, to the last bit. Anything else (a
+    larger error, a zero or non-finite norm) goes to the full summary. A few array ops where
+    the summary takes ~30: at a small shape the summary was 2% of an M-mode step."""
+    with np.errstate(all="ignore"):  # x / 0 and NaNs only fail the test
+        error = verdicts.astype(np.float64, copy=False) / math.sqrt(PROJECTIONS)
+        drift = error / before[..., 0].astype(np.float64, copy=False)
+        return bool(np.isfinite(verdicts).all() and (drift <= np.asarray(tolerances, dtype=np.float64)[:, None]).all())
 
 
 def _compare(before: Tensor, after: Tensor, out: Tensor) -> None:
@@ -288,7 +291,8 @@ def _on_host(*tensors: Tensor, gather: bool | None = None) -> list[np.ndarray]:
     tensors = tuple(t.detach() for t in tensors)
     if not (tensors[0].device.type != "cpu" if gather is None else gather):
         return [t.numpy() for t in tensors]
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).cpu().numpy()
+    dtype = verdict_dtype(tensors[0].device)  # float64 where the device has it
+    flat = torch.cat([t.reshape(-1).to(dtype) for t in tensors]).cpu().numpy().astype(np.float64, copy=False)
     sizes = np.cumsum([t.numel() for t in tensors])[:-1]
     return [part.reshape(t.shape) for part, t in zip(np.split(flat, sizes), tensors)]
 

@@ -445,12 +445,16 @@ def _products(state: Sequence[Tensor], plan: _StatePlan) -> tuple[list[Tensor | 
     return rows, exact
 
 
-def comparable_plan(state: Sequence[Tensor], layout: Layout) -> _Plan | None:
+def comparable_plan(state: Sequence[Tensor], layout: Layout, dtype: torch.dtype) -> _Plan | None:
     """The one plan of a state whose rebuilt row projections :func:`projection_errors` can
-    compare directly: tensors of one non-empty shape whose fold is one matrix (the usual state
-    of a stack); None for any other state (it goes through :class:`Fingerprints`)."""
+    compare directly with fingerprints of ``dtype``: tensors of one non-empty shape whose fold
+    is one matrix (the usual state of a stack) and whose products run in ``dtype``; None for any
+    other state (a two-factor fold, mixed shapes, a rebuild in another precision than the
+    forward's: it goes through :class:`Fingerprints`)."""
     shared = _state_plan(state, layout).shared
-    return shared if shared is not None and len(shared.fold) == 1 else None  # type: ignore[arg-type]
+    if shared is None or len(shared.fold) != 1 or shared.u.dtype != dtype:  # type: ignore[arg-type, union-attr]
+        return None
+    return shared
 
 
 def row_projections(state: Sequence[Tensor], plan: _Plan) -> list[Tensor]:

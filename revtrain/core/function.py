@@ -177,7 +177,7 @@ class _ReversibleRun(torch.autograd.Function):
         param_grads: list[list[Tensor | None]] = [[] for _ in range(n)]
         extra_grads: list[Tensor | None] = [None] * run.n_extra
         starts, ends = ctx.print_rows if ctx.checked else ([], [])
-        # Compared as the rebuilds come: what waits through the peak is two numbers per half.
+        # Compared as the rebuilds come: what waits through the peak is one number per half.
         rebuilt = RunCheck(ctx.prints, starts) if ctx.checked else None
         need_first = any(ctx.needs_input_grad[1:first_extra])
         # Backward runs with grad mode off; the rebuild needs graphs.

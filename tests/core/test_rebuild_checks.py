@@ -14,6 +14,7 @@ from torch import nn
 from revtrain.core import ReversibleBlock, ReversibleSequence
 from revtrain.core.checks import RebuildCheck, check_rebuilds
 from revtrain.core.fingerprint import _Plan, _slab, fingerprint, layout_of
+from revtrain.core.invertible import Invertible
 from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 
 from .helpers import conv_fn, make_stack
@@ -438,6 +439,8 @@ def test_the_quick_screen_passes_only_layers_the_full_summary_passes():
             verdicts[rng.integers(layers), rng.integers(halves)] = np.inf  # a non-finite rebuild
         elif special == 4:
             verdicts[...] = 0.0
+        elif special == 5:  # exactly at each limit, where roundings decide
+            verdicts = tolerances[:, None] * 8.0 * before[..., 0].astype(np.float64)
         out_norms = np.abs(rng.standard_normal((layers, halves))).astype(np.float32)
         summary = _summarise(before, verdicts, out_norms)
         finite_before, finite_after, worst = summary[:, 0], summary[:, 1], summary[:, 2]
@@ -449,6 +452,14 @@ def test_the_quick_screen_passes_only_layers_the_full_summary_passes():
             failed_but_fine += 1
     # Both outcomes occur: the test exercises the screen on both sides of the limit.
     assert passed > 100 and failed_but_fine > 100
+    # A case the screen once passed by one rounding (it compared v <= tol * 8 * b while the
+    # summary flags v / 8 / b > tol).
+    b, tol = np.float32(0.72188306), 0.02876604512282172
+    before = np.zeros((1, 1, 65), np.float32)
+    before[0, 0, 0] = b
+    verdicts = np.array([[tol * 8.0 * float(b)]])
+    worst = _summarise(before, verdicts, np.zeros((1, 1), np.float32))[0, 2]
+    assert worst > tol and not _all_within(before, verdicts, [tol])
 
 
 def test_finish_reports_drift_after_a_failed_screen_and_nothing_after_a_passed_one():
@@ -503,3 +514,37 @@ def test_a_huge_but_finite_rebuild_error_is_drift_not_a_non_finite_rebuild(path)
     check.add((state[0], torch.full_like(state[1], float("nan"))), layout_of(state))
     with pytest.raises(ReconstructionError, match=r"non-finite values \(input x2\)"):
         check.finish(layers, str, torch.ones(1, 2))
+
+
+class _Float64Inverse(Invertible):
+    """A float32 layer whose inverse computes (and returns) float64."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.log_s = nn.Parameter(torch.zeros(channels, 1, 1))
+
+    def forward_state(self, xs):
+        (x,) = xs
+        return (x * self.log_s.exp(),)
+
+    def inverse_state(self, ys):
+        (y,) = ys
+        return (y.double() * (-self.log_s.double()).exp(),)
+
+
+def test_a_rebuild_in_another_precision_is_compared_through_whole_fingerprints():
+    """A rebuild that comes back in float64 for a float32 forward cannot meet the forward's
+    float32 projections in one product; it is compared through whole fingerprints (as before
+    the one-product path): no error, no drift warning, and a drifting one is still caught."""
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    layer = _Float64Inverse(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x).sum().backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    with torch.no_grad():
+        layer.log_s.fill_(0.5)
+    original = layer.inverse_state
+    layer.inverse_state = lambda ys: (original(ys)[0] * 1.01,)  # a 1% wrong inverse
+    with pytest.warns(ReconstructionDriftWarning, match="drifted"):
+        layer(torch.randn(2, 4, 8, 8, requires_grad=True)).sum().backward()
