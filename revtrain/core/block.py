@@ -23,7 +23,7 @@ from revtrain.core.invertible import (
     route_extra_grads,
     trainable_params,
 )
-from revtrain.core.replay import RngState, layers_capture_generators
+from revtrain.core.replay import RngState
 from revtrain.core.step import Grads, State, StepResult, autograd_grads
 from revtrain.errors import ReversibilityError
 
@@ -118,11 +118,6 @@ class ReversibleBlock(Invertible):
 
     output_names = ((0, "F"), (1, "G"))
     """Which function produced each output half, in the order they are computed."""
-
-    repeatable_forward = True
-    """``step_forward`` may run twice on one input with the same generators: it changes nothing
-    but norm statistics (which a run switches off for the second time), so an M-mode run may
-    watch the generators around all its blocks at once (``core/function.py``)."""
 
     def __init__(
         self,
@@ -266,8 +261,7 @@ class ReversibleBlock(Invertible):
         return trainable_params(self.f, self.g)
 
     def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
-        rng = self.preserve_rng_state and layers_capture_generators()
-        return _couple_forward(self, self.roles, xs[0], xs[1], extra, rng=rng)
+        return _couple_forward(self, self.roles, xs[0], xs[1], extra, rng=self.preserve_rng_state)
 
     def step_reverse(
         self,
@@ -295,12 +289,10 @@ class _BlockInverse(InverseStep):
 
     module: ReversibleBlock
     output_names = ((1, "G"), (0, "F"))
-    repeatable_forward = True
 
     def step_forward(self, ys: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
         block = self.module
-        rng = block.preserve_rng_state and layers_capture_generators()
-        (x2, x1), record = _couple_forward(block, block.inverse_roles, ys[1], ys[0], extra, rng=rng)
+        (x2, x1), record = _couple_forward(block, block.inverse_roles, ys[1], ys[0], extra, rng=block.preserve_rng_state)
         return (x1, x2), record
 
     def step_reverse(

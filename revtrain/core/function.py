@@ -34,7 +34,7 @@ from revtrain.core.checks import RunCheck
 from revtrain.core.fingerprint import Fingerprints, layout_of
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
-from revtrain.core.replay import AutocastState, ModuleTensors, RngState, generators_watched_by_run
+from revtrain.core.replay import AutocastState, ModuleTensors
 from revtrain.core.sharding import unsharded
 from revtrain.core.step import ReversibleStep, State, StepResult, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
@@ -100,8 +100,20 @@ class _ReversibleRun(torch.autograd.Function):
         extra_in = tensors[run.n_state : run.n_state + run.n_extra]
         extra = run.extra.with_tensors(extra_in) if run.n_extra else run.extra
         layers = run.layers
+        records: list[Any] = []
+        layouts: list[Any] = []
         due = [_check_due(layer, i) for i, layer in enumerate(layers)]
-        xs, records, layouts, taken, inputs, output_prints = _forward_watched(run, xs, extra, due)
+        taken = Fingerprints()
+        inputs: list[int | None] = []  # where each layer's input fingerprint is in `taken`
+        output_prints: dict[int, int] = {}
+        for i, layer in enumerate(layers):
+            layouts.append(layout_of(xs) if due[i] else None)
+            inputs.append(taken.add(xs, layouts[-1]) if due[i] else None)
+            xs, record = layer.step_forward(xs, extra)
+            records.append(record)
+            # A layer's output scale is the next layer's input fingerprint when there is one.
+            if due[i] and not (i + 1 < len(layers) and due[i + 1]):
+                output_prints[i] = taken.add(xs)
         # The checked layers' input fingerprints and output norms, one tensor each for the run,
         # top layer first: the order backward meets them (a non-finite rebuild is blamed on
         # the first layer it appears in).
@@ -224,74 +236,6 @@ class _ReversibleRun(torch.autograd.Function):
         dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]
         return (None, *dxs, *extra_grads, *flat)
-
-
-_Forward = tuple[State, list[Any], list[Any], Fingerprints, list["int | None"], dict[int, int]]
-
-
-def _forward_layers(run: _Run, xs: State, extra: ExtraArgs, due: Sequence[bool]) -> _Forward:
-    """One pass of the run's layers without a graph: outputs, records, and the fingerprints of
-    the checked layers' inputs (and of an output that is no checked layer's input)."""
-    layers = run.layers
-    records: list[Any] = []
-    layouts: list[Any] = []
-    taken = Fingerprints()
-    inputs: list[int | None] = []  # where each layer's input fingerprint is in `taken`
-    output_prints: dict[int, int] = {}
-    for i, layer in enumerate(layers):
-        layouts.append(layout_of(xs) if due[i] else None)
-        inputs.append(taken.add(xs, layouts[-1]) if due[i] else None)
-        xs, record = layer.step_forward(xs, extra)
-        records.append(record)
-        # A layer's output scale is the next layer's input fingerprint when there is one.
-        if due[i] and not (i + 1 < len(layers) and due[i + 1]):
-            output_prints[i] = taken.add(xs)
-    return xs, records, layouts, taken, inputs, output_prints
-
-
-def _forward_watched(run: _Run, xs: State, extra: ExtraArgs, due: Sequence[bool]) -> _Forward:
-    """The run's forward, with the generators captured where a rebuild must replay them.
-
-    Each block captures the generators before ``F``, before ``G`` and after ``G`` to find out
-    whether they drew random numbers (3.4% of a small M-mode step, for stacks that mostly draw
-    none). Where every layer's forward is repeatable (``repeatable_forward``: coupling blocks),
-    the run instead compares the generators once before and once after all its layers. If
-    nothing drew, no layer has anything to replay; if something did, the generators are set
-    back and the layers run again, capturing their own (the same random numbers come out, and
-    norm statistics are not updated twice), and the layers remember it: their next forwards
-    capture their own at once, until a forward in which none drew.
-    """
-    layers = run.layers
-    owners = [owner_module(layer) or layer for layer in layers]
-    if not any(getattr(owner, "preserve_rng_state", False) for owner in owners):
-        return _forward_layers(run, xs, extra, due)
-    if not all(getattr(layer, "repeatable_forward", False) for layer in layers):
-        return _forward_layers(run, xs, extra, due)  # each layer captures its own
-    device = xs[0].device
-    start = RngState.capture(device)
-    if any(owner.__dict__.get("_draws_random", False) for owner in owners):
-        out = _forward_layers(run, xs, extra, due)
-        if start.same_as(RngState.capture(device)):
-            _remember_random(owners, False)  # none drew this time: watch the whole run again
-        return out
-    with generators_watched_by_run():
-        out = _forward_layers(run, xs, extra, due)
-    if start.same_as(RngState.capture(device)):
-        return out
-    _remember_random(owners, True)
-    start.restore()
-    tensors = [t.enter() if t is not None else None for t in run.module_tensors]  # stats frozen
-    try:
-        return _forward_layers(run, xs, extra, due)
-    finally:
-        for t, swapped in zip(run.module_tensors, tensors):
-            if t is not None:
-                t.leave(swapped)  # type: ignore[arg-type]
-
-
-def _remember_random(owners: Sequence[Any], drew: bool) -> None:
-    for owner in owners:
-        owner.__dict__["_draws_random"] = drew
 
 
 def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:

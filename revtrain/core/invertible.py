@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.function import check_state, run_reversible
-from revtrain.core.replay import RngState, layers_capture_generators, submodules
+from revtrain.core.replay import RngState, submodules
 from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads
 
 __all__ = [
@@ -207,7 +207,7 @@ class Invertible(nn.Module, abc.ABC):
         return trainable_params(self)
 
     def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
-        if not (self.preserve_rng_state and layers_capture_generators()):
+        if not self.preserve_rng_state:
             return extra.call(self.forward_state, xs), _GenericRecord(None)
         ys, rng = RngState.around(xs[0].device, extra.call, self.forward_state, xs)
         return ys, _GenericRecord(rng)
@@ -253,7 +253,7 @@ class InverseStep:
         return self.module.step_params()
 
     def step_forward(self, ys: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
-        if not (self.module.preserve_rng_state and layers_capture_generators()):
+        if not self.module.preserve_rng_state:
             return extra.call(self.module.inverse_state, ys), _GenericRecord(None)
         xs, rng = RngState.around(ys[0].device, extra.call, self.module.inverse_state, ys)
         return xs, _GenericRecord(rng)

@@ -18,7 +18,6 @@ backward, and each is handled here:
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,10 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = [
-    "RngState", "AutocastState", "ModuleTensors", "no_running_stat_updates", "submodules",
-    "layers_capture_generators", "generators_watched_by_run",
-]
+__all__ = ["RngState", "AutocastState", "ModuleTensors", "no_running_stat_updates", "submodules"]
 
 
 def submodules(module: nn.Module) -> list[nn.Module]:
@@ -82,12 +78,6 @@ class RngState:
         out = fn(*args)
         return out, None if before.same_as(cls.capture(device)) else before
 
-    def restore(self) -> None:
-        """Set the generators back to this state."""
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.cuda_device)
-
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
         """Run the body with the captured generators; restore the current ones afterwards."""
@@ -102,33 +92,6 @@ class RngState:
             torch.set_rng_state(cpu_now)
             if cuda_now is not None:
                 torch.cuda.set_rng_state(cuda_now, self.cuda_device)
-
-
-class _Watch(threading.local):
-    layers_capture = True
-
-
-_watch = _Watch()
-
-
-def layers_capture_generators() -> bool:
-    """Whether a layer's forward should capture the generators around its ``F`` and ``G``
-    itself (False while an M-mode run watches them around all its layers at once:
-    :func:`generators_watched_by_run`)."""
-    return _watch.layers_capture
-
-
-@contextlib.contextmanager
-def generators_watched_by_run() -> Iterator[None]:
-    """Layers capture no generators in the body: the caller (an M-mode run's forward) compares
-    the generators before and after all of them and, if anything drew random numbers, runs
-    them again with their own captures (``core/function.py``). Per thread."""
-    before = _watch.layers_capture
-    _watch.layers_capture = False
-    try:
-        yield
-    finally:
-        _watch.layers_capture = before
 
 
 def _same_bytes(a: Tensor, b: Tensor) -> bool:
