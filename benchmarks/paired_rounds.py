@@ -1,0 +1,126 @@
+"""Many short rounds at one shape: whether M-mode is faster or slower than plain autograd and the
+peers, to a percent.
+
+The grid of ``benchmarks/core_peers.py`` times 11 rounds per shape, enough to see a difference
+of 5–10% on a shared machine. Smaller differences need many rounds: here every round times one
+step of each method (the order rotating), and each method's per-round ratio to the reference
+methods gives a median with a distribution-free 95% interval (``revtrain.timing.median_interval``).
+Models are the stack benchmark's (``revtrain.bench.stack``: the same F/G weights for every
+method). Writes ``results/paired_rounds_<shape>_cpu.md`` and ``.json``.
+
+    python benchmarks/paired_rounds.py --shape 8x16x8x16 --rounds 400
+    python benchmarks/paired_rounds.py --shape 8x16x8x16 --methods plain M M-nocheck M-check4 revlib
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from revtrain.bench import StackBenchConfig, machine_info
+from revtrain.bench.stack import _build_models, _timed_step
+from revtrain.timing import median_interval
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="8x16x8x16", help="BATCHxCHANNELSxSIZExDEPTH")
+    parser.add_argument("--methods", nargs="+", default=["plain", "M", "M-nocheck", "revlib"])
+    parser.add_argument("--references", nargs="+", default=["plain", "revlib"],
+                        help="methods every other method is paired against (where present)")
+    parser.add_argument("--rounds", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def run(shape: tuple[int, int, int, int], methods: list[str], rounds: int, warmup: int) -> dict[str, list[float]]:
+    """Wall seconds of one step per method, one step of each per round, the order rotating."""
+    batch, channels, size, depth = shape
+    config = StackBenchConfig(batch=batch, channels=channels, size=size, depths=(depth,),
+                              methods=tuple(methods), repeats=1, warmup=warmup, device="cpu")
+    device = torch.device("cpu")
+    torch.manual_seed(config.seed)
+    models = _build_models(depth, config, device)
+    params = list(models["plain"].parameters())
+    x = torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(config.seed)).requires_grad_(True)
+    names = list(models)
+    for name in names:
+        for _ in range(warmup):
+            _timed_step(models[name], x, params, device)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            times[name].append(_timed_step(models[name], x, params, device)[0])
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        shape = tuple(int(v) for v in args.shape.lower().split("x"))
+        assert len(shape) == 4
+    except (ValueError, AssertionError):
+        raise SystemExit(f"--shape is BATCHxCHANNELSxSIZExDEPTH, e.g. 8x16x8x16; got {args.shape!r}") from None
+    methods = args.methods if "plain" in args.methods else ["plain", *args.methods]
+    before = machine_info(torch.device("cpu"))
+    start = time.perf_counter()
+    times = run(shape, methods, args.rounds, args.warmup)  # type: ignore[arg-type]
+    wall = time.perf_counter() - start
+    after = machine_info(torch.device("cpu"))
+    refs = [r for r in args.references if r in times]
+    rows = []
+    for name, ts in times.items():
+        row = {"method": name, "median_ms": statistics.median(ts) * 1e3, "paired": {}}
+        for ref in refs:
+            if ref != name:
+                row["paired"][ref] = median_interval([a / b for a, b in zip(ts, times[ref])])._asdict()
+        rows.append(row)
+    coverage = median_interval([0.0] * args.rounds).coverage
+    command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(["python", "benchmarks/paired_rounds.py", *argv])
+    b, c, s, d = shape
+    lines = [
+        f"# Paired rounds at batch {b}, {c} channels, {s}×{s}, depth {d}",
+        "",
+        "One step of each method per round (order rotating), per-round ratios to the reference "
+        f"methods: median [interval], the interval holding the true median with probability {coverage:.1%} "
+        "(order statistics, `revtrain.timing.median_interval`).",
+        "",
+        f"- command: `{command}`",
+        f"- device: cpu ({before['cpu']}), torch {before['torch']}, {before['torch_threads']} threads",
+        f"- date: {before['date']}; {args.rounds} rounds, wall {wall:.0f} s; load average before "
+        f"{before['load_average']}, after {after['load_average']}",
+        "",
+        "| method | median step | " + " | ".join(f"/ {r}" for r in refs) + " |",
+        "|:---|---:|" + "---|" * len(refs),
+    ]
+    for row in rows:
+        cells = []
+        for ref in refs:
+            p = row["paired"].get(ref)
+            cells.append("–" if p is None else f"{p['median']:.3f} [{p['low']:.3f}, {p['high']:.3f}]")
+        lines.append(f"| {row['method']} | {row['median_ms']:.2f} ms | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = args.out if args.out is not None else ROOT / "results" / f"paired_rounds_{args.shape}_cpu"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "machine": before, "machine_after": after, "wall_s": wall, "shape": shape,
+         "rounds": args.rounds, "rows": rows, "times_s": times}, indent=2) + "\n")
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

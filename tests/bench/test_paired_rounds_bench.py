@@ -1,0 +1,39 @@
+"""benchmarks/paired_rounds.py runs and pairs rounds correctly (a smoke test: no timing is asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from revtrain.timing import median_interval
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_tiny_run_pairs_every_method_with_the_references(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("paired_rounds", ROOT / "benchmarks" / "paired_rounds.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "paired"
+    assert script.main(["--shape", "4x8x4x2", "--methods", "M", "C", "--references", "plain", "C",
+                        "--rounds", "6", "--warmup", "1", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    times = data["times_s"]
+    assert set(times) == {"plain", "M", "C"} and all(len(t) == 6 for t in times.values())
+    rows = {row["method"]: row for row in data["rows"]}
+    assert set(rows["M"]["paired"]) == {"plain", "C"} and set(rows["plain"]["paired"]) == {"C"}
+    again = median_interval([a / b for a, b in zip(times["M"], times["C"])])
+    assert rows["M"]["paired"]["C"] == pytest.approx(again._asdict())
+    text = out.with_suffix(".md").read_text()
+    assert "| M |" in text and "96.9%" in text  # six rounds: min to max
+
+
+def test_a_bad_shape_is_named() -> None:
+    spec = importlib.util.spec_from_file_location("paired_rounds", ROOT / "benchmarks" / "paired_rounds.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit, match="BATCHxCHANNELSxSIZExDEPTH"):
+        script.main(["--shape", "8x16x8"])
