@@ -11,18 +11,11 @@ import pytest
 
 from revtrain.timing import median_interval
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("core_peers", ROOT / "benchmarks" / "core_peers.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+from .scripts import load_benchmark
 
 
 def test_a_tiny_run_writes_both_tables(tmp_path: Path) -> None:
-    script = _script()
+    script = load_benchmark("core_peers")
     out = tmp_path / "peers"
     methods = ["plain", "M", "C"] + (["revlib"] if importlib.util.find_spec("revlib") else [])
     argv = ["--device", "cpu", "--shapes", "4x8x4x2", "--repeats", "6", "--warmup", "1",
@@ -45,7 +38,7 @@ def test_a_tiny_run_writes_both_tables(tmp_path: Path) -> None:
 
 
 def test_the_head_to_head_table_names_a_verdict_only_against_peers() -> None:
-    script = _script()
+    script = load_benchmark("core_peers")
 
     class Row:
         def __init__(self, method: str, times: list[float]) -> None:

@@ -3,25 +3,16 @@ and a tiny run of both parts gives complete rows (a smoke test: no timing is ass
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import torch
 
 from revtrain.core import fingerprint as fp
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("fingerprint_products", ROOT / "benchmarks" / "fingerprint_products.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+from .scripts import load_benchmark
 
 
 def test_the_three_products_equal_the_library_and_tiny_runs_complete():
-    script = _script()
+    script = load_benchmark("fingerprint_products")
     torch.manual_seed(0)
     half = torch.randn(4, 16, 6, 6).chunk(2, dim=1)[1]  # a strided half, as a block sees it
     plan = fp._Plan.of(half, fp.layout_of([half])[0])

@@ -5,17 +5,13 @@ No timing assertions: timing belongs to the benchmark's output, not to pass/fail
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "inplace_abn.py"
+from .scripts import load_benchmark
 
 
 def test_a_tiny_run_writes_complete_rows(tmp_path):
-    spec = importlib.util.spec_from_file_location("inplace_abn_bench", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("inplace_abn")
     out = tmp_path / "iabn"
     rows = bench.main(["--batch-sizes", "4", "--size", "8", "--repeats", "1", "--warmup", "0",
                        "--out", str(out)])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -10,13 +9,11 @@ import pytest
 
 from revtrain.timing import median_interval
 
-ROOT = Path(__file__).resolve().parents[2]
+from .scripts import load_benchmark
 
 
 def test_a_tiny_run_pairs_every_method_with_the_references(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("paired_rounds", ROOT / "benchmarks" / "paired_rounds.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("paired_rounds")
     out = tmp_path / "paired"
     assert script.main(["--shape", "4x8x4x2", "--methods", "M", "C", "--references", "plain", "C",
                         "--rounds", "6", "--warmup", "1", "--out", str(out)]) == 0
@@ -32,8 +29,6 @@ def test_a_tiny_run_pairs_every_method_with_the_references(tmp_path: Path) -> No
 
 
 def test_a_bad_shape_is_named() -> None:
-    spec = importlib.util.spec_from_file_location("paired_rounds", ROOT / "benchmarks" / "paired_rounds.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("paired_rounds")
     with pytest.raises(SystemExit, match="BATCHxCHANNELSxSIZExDEPTH"):
         script.main(["--shape", "8x16x8"])

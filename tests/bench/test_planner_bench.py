@@ -6,10 +6,8 @@ CPU are deterministic, so the budget is asserted on.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -24,7 +22,9 @@ from revtrain.bench.batch_sweep import (
     to_sweep_result,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+from .scripts import load_benchmark
+
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = PlannerBenchConfig(
     model="revnet38", batch_sizes=(2, 8, 32), input_shape=(3, 16, 16), repeats=1, warmup=1,
@@ -88,9 +88,7 @@ def test_tables_and_sweep_result(result, tmp_path):
 
 
 def test_script_writes_results_and_figures(tmp_path):
-    spec = importlib.util.spec_from_file_location("planner_sweep", ROOT / "benchmarks" / "planner_sweep.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("planner_sweep")
     out = tmp_path / "quick"
     argv = ["--model", "revnet38", "--device", "cpu", "--batch-sizes", "2", "4", "--input-shape", "3", "8", "8",
             "--budget", "64MiB", "--repeats", "1", "--warmup", "1", "--profile-repeats", "1", "--refine", "1",
@@ -111,9 +109,7 @@ def test_script_writes_results_and_figures(tmp_path):
 
 
 def test_script_options_come_from_the_config():
-    spec = importlib.util.spec_from_file_location("planner_sweep", ROOT / "benchmarks" / "planner_sweep.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("planner_sweep")
     args = script.parse_args(["--model", "revnet38", "--budget", "64MiB", "--t-e-precision", "0.1"])
     assert (args.model, args.budget, args.t_e_precision) == ("revnet38", "64MiB", 0.1)
     with pytest.raises(ValueError, match="unknown unit"):

@@ -8,21 +8,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from revtrain.core.checks import PROJECTIONS
 
-ROOT = Path(__file__).resolve().parents[2]
+from .scripts import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
-    spec = importlib.util.spec_from_file_location("transformer_memory", ROOT / "benchmarks" / "transformer_memory.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("transformer_memory")
     out = tmp_path_factory.mktemp("bench") / "quick"
     threads = torch.get_num_threads()
     argv = ["--device", "cpu", "--threads", "1", "--width", "16", "--heads", "2", "--depths", "1", "3",

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from .scripts import load_benchmark
 
 
 def test_a_tiny_run_writes_complete_rows(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("zoo_modes", ROOT / "benchmarks" / "zoo_modes.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("zoo_modes")
     out = tmp_path / "zoo"
     assert script.main(["--cases", "revnet38:8:4", "--repeats", "1", "--warmup", "1", "--out", str(out)]) == 0
     data = json.loads(out.with_suffix(".json").read_text())
