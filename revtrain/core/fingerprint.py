@@ -386,11 +386,9 @@ class Fingerprints:
             and (not self._batches or self._batches[0].shape[1] == n)
         ):
             # The usual case, one shape throughout: the states are rows of one batch.
-            plan = first.shared
-            with _full_precision(first.device_type):
-                out = _fold_rows([w for _, rows, _ in self._pending for w in rows], plan.fold)  # type: ignore[misc]
-            if plan.exact_norm:
-                out[:, 0] = torch.stack([e for _, _, exact in self._pending for e in exact]).to(out.dtype)  # type: ignore[misc, union-attr]
+            ws = [w for _, rows, _ in self._pending for w in rows]
+            exact = [e for _, _, norms in self._pending for e in norms] if first.shared.exact_norm else None  # type: ignore[union-attr]
+            out = _fold_group(first.shared, ws, exact)  # type: ignore[arg-type]
             self._batches.append(out.view(len(self._pending), n, -1))
         else:
             self._fold_mixed()
@@ -413,12 +411,9 @@ class Fingerprints:
         device = None
         for members in groups.values():
             plan = flat[members[0]][1]
-            w = flat[members[0]][0]
-            device = w.device  # type: ignore[union-attr]
-            with _full_precision(device.type):
-                out = _fold_rows([flat[j][0] for j in members], plan.fold)  # type: ignore[misc, arg-type]
-            if plan.exact_norm:  # too few rows for the estimate
-                out[:, 0] = torch.stack([flat[j][2] for j in members]).to(out.dtype)  # type: ignore[misc]
+            exact = [flat[j][2] for j in members] if plan.exact_norm else None
+            out = _fold_group(plan, [flat[j][0] for j in members], exact)  # type: ignore[misc, arg-type]
+            device = out.device
             for j, row in zip(members, out.unbind(0)):
                 folded[j] = row
         start = 0
@@ -426,6 +421,17 @@ class Fingerprints:
             count = len(plan.plans)
             self._done.append(_assemble(folded[start : start + count], device))
             start += count
+
+
+def _fold_group(plan: _Plan, ws: list[Tensor], exact: list[Tensor] | None) -> Tensor:
+    """Fingerprints ``(len(ws), 1 + PROJECTIONS)`` of same-planned tensors from their row
+    projections, in the products' precision; ``exact``: their exact norms where the plan has
+    too few rows for the estimate (None otherwise)."""
+    with _full_precision(ws[0].device.type):
+        out = _fold_rows(ws, plan.fold)  # type: ignore[arg-type]
+    if exact is not None:
+        out[:, 0] = torch.stack(exact).to(out.dtype)
+    return out
 
 
 def _products(state: Sequence[Tensor], plan: _StatePlan) -> tuple[list[Tensor | None], list[Tensor | None] | None]:
