@@ -214,15 +214,20 @@ class RunCheck:
 def _all_within(before: np.ndarray, verdicts: np.ndarray, tolerances: Sequence[float]) -> bool:
     """Whether every layer passes at a glance: each rebuilt half finite and its relative error,
     measured against its own forward norm, within its layer's tolerance. The arithmetic is
-    :func:`_summarise`'s (the error per projection over a denominator, in float64), whose
+    :func:`_summarise`'s (:func:`_rms_error` over a denominator, in float64), whose
     denominator is at least that norm; division rounds monotonically, so a layer that passes
     here has a relative error within tolerance there too, to the last bit. Anything else (a
     larger error, a zero or non-finite norm) goes to the full summary. A few array ops where
     the summary takes ~30: at a small shape the summary was 2% of an M-mode step."""
     with np.errstate(all="ignore"):  # x / 0 and NaNs only fail the test
-        error = verdicts.astype(np.float64, copy=False) / math.sqrt(PROJECTIONS)
-        drift = error / before[..., 0].astype(np.float64, copy=False)
+        drift = _rms_error(verdicts) / before[..., 0].astype(np.float64, copy=False)
         return bool(np.isfinite(verdicts).all() and (drift <= np.asarray(tolerances, dtype=np.float64)[:, None]).all())
+
+
+def _rms_error(verdicts: np.ndarray) -> np.ndarray:
+    """Each half's root mean square projection error, in float64, from its verdict (the root
+    sum of squares): one function for the screen and the summary, so that they round alike."""
+    return verdicts.astype(np.float64, copy=False) / math.sqrt(PROJECTIONS)
 
 
 def _compare(before: Tensor, after: Tensor, out: Tensor) -> None:
@@ -314,7 +319,7 @@ def _summarise(before: np.ndarray, verdicts: np.ndarray, out_norms: np.ndarray) 
         in_scale = np.sqrt(np.square(before[..., 0]).sum(axis=1))
         out_scale = np.sqrt(np.square(out_norms).sum(axis=1))
         scale = np.fmax(in_scale, out_scale)  # fmax: a non-finite output norm does not poison it
-        error = verdicts / math.sqrt(PROJECTIONS)  # root mean square over the projections
+        error = _rms_error(verdicts)
         denominator = np.fmax(before[..., 0], FLOOR * scale[:, None])
         # Input and output exactly zero: any rebuilt value is wrong.
         zero = np.where(error > 0, math.inf, 0.0)
