@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from revtrain.bench import StackBenchConfig, machine_info
-from revtrain.bench.stack import _build_models, _timed_step
+from revtrain.bench.stack import _build_models, _time_round_robin
 from revtrain.timing import median_interval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,25 +44,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(shape: tuple[int, int, int, int], methods: list[str], rounds: int, warmup: int) -> dict[str, list[float]]:
-    """Wall seconds of one step per method, one step of each per round, the order rotating."""
+    """Wall seconds of one step per method: the stack benchmark's round-robin (one step of each
+    method per round, the order rotating), for ``rounds`` rounds."""
     batch, channels, size, depth = shape
     config = StackBenchConfig(batch=batch, channels=channels, size=size, depths=(depth,),
-                              methods=tuple(methods), repeats=1, warmup=warmup, device="cpu")
+                              methods=tuple(methods), repeats=rounds, warmup=warmup, device="cpu")
     device = torch.device("cpu")
     torch.manual_seed(config.seed)
     models = _build_models(depth, config, device)
     params = list(models["plain"].parameters())
     x = torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(config.seed)).requires_grad_(True)
-    names = list(models)
-    for name in names:
-        for _ in range(warmup):
-            _timed_step(models[name], x, params, device)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]
-            times[name].append(_timed_step(models[name], x, params, device)[0])
-    return times
+    wall, _ = _time_round_robin(models, x, params, config, device)
+    return wall
 
 
 def main(argv: list[str] | None = None) -> int:
