@@ -167,7 +167,7 @@ class Profile:
         """
         b = _pos_int(batch_size, "batch_size")
         fixed = self.fixed_bytes or 0
-        return fixed + math.ceil((self.m_o_bytes - fixed) * b / self.batch_size)
+        return fixed + -(-(self.m_o_bytes - fixed) * b // self.batch_size)  # ceil, in integers: exact at any size
 
     def max_batch_size(self, budget_bytes: int) -> int:
         """Largest batch size whose predicted baseline-M peak fits ``budget_bytes``.

@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from revtrain.planner import (
@@ -303,6 +303,9 @@ def test_budget_may_be_given_as_a_size_string():
     batch_size=st.integers(1, 4096),
     budget=st.integers(0, 2**41),
 )
+# Batch sizes past 2**53 (a budget of 2 TiB at 1 byte per 4096 samples): float division rounded
+# m_o_at(b + 1) down to the budget itself.
+@example(m_o=1, fixed_frac=None, batch_size=4096, budget=2_199_023_255_552)
 def test_max_batch_size_is_the_largest_that_fits_the_linear_model(m_o, fixed_frac, batch_size, budget):
     fixed = None if fixed_frac is None else int(m_o * fixed_frac)
     profile = toy_profile(m_o_bytes=m_o, fixed_bytes=fixed, batch_size=batch_size)
