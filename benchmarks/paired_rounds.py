@@ -6,9 +6,10 @@ of 5–10% on a shared machine. Smaller differences need many rounds: here every
 step of each method (the order rotating), and each method's per-round ratio to the reference
 methods gives a median with a distribution-free 95% interval (``revtrain.timing.median_interval``).
 Models are the stack benchmark's (``revtrain.bench.stack``: the same F/G weights for every
-method). Writes ``results/paired_rounds_<shape>_cpu.md`` and ``.json``.
+method). Writes ``results/paired_rounds_<shape>_<device>.md`` and ``.json``.
 
     python benchmarks/paired_rounds.py --shape 8x16x8x16 --rounds 400
+    python benchmarks/paired_rounds.py --shape 32x64x32x16 --device cuda --rounds 200
     python benchmarks/paired_rounds.py --shape 8x16x8x16 --methods plain M M-nocheck M-check4 revlib
 """
 
@@ -26,6 +27,7 @@ import torch
 
 from revtrain.bench import StackBenchConfig, machine_info
 from revtrain.bench.stack import _build_models, _time_round_robin
+from revtrain.device import resolve_device
 from revtrain.timing import median_interval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,21 +41,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="methods every other method is paired against (where present)")
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... or auto")
     parser.add_argument("--out", type=Path, default=None)
     return parser.parse_args(argv)
 
 
-def run(shape: tuple[int, int, int, int], methods: list[str], rounds: int, warmup: int) -> dict[str, list[float]]:
+def run(
+    shape: tuple[int, int, int, int], methods: list[str], rounds: int, warmup: int, device: torch.device
+) -> dict[str, list[float]]:
     """Wall seconds of one step per method: the stack benchmark's round-robin (one step of each
-    method per round, the order rotating), for ``rounds`` rounds."""
+    method per round, the order rotating, the device synchronised around each step), for
+    ``rounds`` rounds."""
     batch, channels, size, depth = shape
     config = StackBenchConfig(batch=batch, channels=channels, size=size, depths=(depth,),
-                              methods=tuple(methods), repeats=rounds, warmup=warmup, device="cpu")
-    device = torch.device("cpu")
+                              methods=tuple(methods), repeats=rounds, warmup=warmup, device=str(device))
     torch.manual_seed(config.seed)
     models = _build_models(depth, config, device)
     params = list(models["plain"].parameters())
-    x = torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(config.seed)).requires_grad_(True)
+    x = torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(config.seed))
+    x = x.to(device).requires_grad_(True)
     wall, _ = _time_round_robin(models, x, params, config, device)
     return wall
 
@@ -66,11 +72,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, AssertionError):
         raise SystemExit(f"--shape is BATCHxCHANNELSxSIZExDEPTH, e.g. 8x16x8x16; got {args.shape!r}") from None
     methods = args.methods if "plain" in args.methods else ["plain", *args.methods]
-    before = machine_info(torch.device("cpu"))
+    try:
+        device = resolve_device(args.device)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"--device: {e}") from None
+    before = machine_info(device)
     start = time.perf_counter()
-    times = run(shape, methods, args.rounds, args.warmup)  # type: ignore[arg-type]
+    times = run(shape, methods, args.rounds, args.warmup, device)  # type: ignore[arg-type]
     wall = time.perf_counter() - start
-    after = machine_info(torch.device("cpu"))
+    after = machine_info(device)
     refs = [r for r in args.references if r in times]
     rows = []
     for name, ts in times.items():
@@ -90,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "(order statistics, `revtrain.timing.median_interval`).",
         "",
         f"- command: `{command}`",
-        f"- device: cpu ({before['cpu']}), torch {before['torch']}, {before['torch_threads']} threads",
+        f"- device: {_device_words(before)}, torch {before['torch']}, {before['torch_threads']} threads",
         f"- date: {before['date']}; {args.rounds} rounds, wall {wall:.0f} s; load average before "
         f"{before['load_average']}, after {after['load_average']}",
         "",
@@ -105,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {row['method']} | {row['median_ms']:.2f} ms | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = args.out if args.out is not None else ROOT / "results" / f"paired_rounds_{args.shape}_cpu"
+    out = args.out if args.out is not None else ROOT / "results" / f"paired_rounds_{args.shape}_{device.type}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps(
@@ -113,6 +123,11 @@ def main(argv: list[str] | None = None) -> int:
          "rounds": args.rounds, "rows": rows, "times_s": times}, indent=2) + "\n")
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     return 0
+
+
+def _device_words(info: dict) -> str:
+    """``cpu (model)`` or ``cuda (GPU name)``, as the results header names the device."""
+    return f"{info['device']} ({info['gpu'] if 'gpu' in info else info['cpu']})"
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from revtrain.core.fingerprint import (
     comparable_plan,
     projection_errors,
     row_projections,
+    take_rows,
 )
 from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 
@@ -176,11 +177,9 @@ class RunCheck:
 
     def _before(self, start: int, stop: int) -> Tensor:
         """The forward's fingerprints of layers ``start:stop``: a view where their rows follow
-        each other (a run whose layers are all checked), else a copy."""
-        rows = self._rows[start:stop]
-        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-            return self._prints_before[rows[0] : rows[-1] + 1]
-        return self._prints_before[rows]
+        each other (a run whose layers are all checked), else a copy (without a device sync:
+        :func:`~revtrain.core.fingerprint.take_rows`)."""
+        return take_rows(self._prints_before, self._rows[start:stop])
 
     def finish(
         self, layers: Sequence[object], where: Callable[[int], str], output_norms: Tensor, *, estimate: bool = False

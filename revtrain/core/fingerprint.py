@@ -39,7 +39,7 @@ from torch import Tensor
 
 __all__ = [
     "fingerprint", "Fingerprints", "layout_of", "Layout", "PROJECTIONS", "EXACT_NORM_ROWS", "FOLD_EVERY",
-    "comparable_plan", "row_projections", "projection_errors",
+    "comparable_plan", "row_projections", "projection_errors", "take_rows",
 ]
 
 ROW_VECTORS = 2
@@ -344,7 +344,7 @@ class Fingerprints:
         self._fold()
         if self._batches:
             batch = self._batches[0] if len(self._batches) == 1 else torch.cat(self._batches)
-            return batch[list(indices)]
+            return take_rows(batch, indices)
         return torch.stack([self.results()[i] for i in indices])
 
     def take(self) -> Tensor | None:
@@ -528,6 +528,37 @@ def _fold_rows(ws: list[Tensor], fold: tuple[Tensor, ...]) -> Tensor:
 
 _MAX_KRON_ROWS = 1 << 14
 """Rows (``A·R``) up to which ``s_A ⊗ s_R`` is kept as one matrix (2 MiB in float32)."""
+
+
+def take_rows(t: Tensor, rows: Sequence[int]) -> Tensor:
+    """``t[rows]`` along the first dimension without a host-device sync.
+
+    Indexing a GPU tensor with a Python list copies the list to the device and waits for the
+    copy (a ``cudaStreamSynchronize`` mid-step: two per M-mode step on an H100 before this, in
+    ``results/step_profile_*_cuda.md``). Rows in order, one after the other, are a view; the
+    same in reverse order a flipped copy; others on a GPU an ``index_select`` with an index
+    tensor kept on the device per pattern (:data:`_MAX_CACHED` of them: a staggered
+    ``check_every`` repeats a few).
+    """
+    n = len(rows)
+    if n:
+        first, last = rows[0], rows[-1]
+        if abs(last - first) == n - 1 and all(abs(b - a) == 1 and (b > a) == (last > first) for a, b in zip(rows, rows[1:])):
+            if last >= first:
+                return t[first : last + 1]
+            return t[last : first + 1].flip(0)
+    if t.device.type == "cpu":
+        return t[list(rows)]
+    key = (tuple(rows), t.device)
+    index = _row_indices.get(key)
+    if index is None:
+        if len(_row_indices) >= _MAX_CACHED:
+            _row_indices.clear()
+        index = _row_indices[key] = torch.tensor(key[0], dtype=torch.long, device=t.device)
+    return t.index_select(0, index)
+
+
+_row_indices: dict[tuple[tuple[int, ...], torch.device], Tensor] = {}
 
 
 def _assemble(parts: list[Tensor | None], device: torch.device | None) -> Tensor:

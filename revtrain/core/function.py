@@ -31,7 +31,7 @@ from torch import Tensor
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RunCheck
-from revtrain.core.fingerprint import Fingerprints, layout_of
+from revtrain.core.fingerprint import Fingerprints, layout_of, take_rows
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
 from revtrain.core.replay import AutocastState, ModuleTensors
@@ -231,7 +231,7 @@ class _ReversibleRun(torch.autograd.Function):
             rebuilt.finish(
                 [layers[i] for i in ctx.checked],
                 lambda k: _where(layers[ctx.checked[k]], ctx.checked[k], n),
-                ctx.prints[ends][..., 0],
+                take_rows(ctx.prints, ends)[..., 0],
             )
         dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]

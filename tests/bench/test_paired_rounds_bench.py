@@ -32,3 +32,19 @@ def test_a_bad_shape_is_named() -> None:
     script = load_benchmark("paired_rounds")
     with pytest.raises(SystemExit, match="BATCHxCHANNELSxSIZExDEPTH"):
         script.main(["--shape", "8x16x8"])
+
+
+def test_the_device_is_named_in_the_header(tmp_path: Path) -> None:
+    script = load_benchmark("paired_rounds")
+    out = tmp_path / "paired"
+    assert script.main(["--shape", "2x4x4x1", "--methods", "M", "--rounds", "2", "--warmup", "0",
+                        "--device", "cpu", "--out", str(out)]) == 0
+    assert "- device: cpu (" in out.with_suffix(".md").read_text()
+    assert json.loads(out.with_suffix(".json").read_text())["machine"]["device"] == "cpu"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="CUDA present")
+def test_cuda_without_cuda_is_a_clear_error() -> None:
+    script = load_benchmark("paired_rounds")
+    with pytest.raises(SystemExit, match="--device: .*CUDA is not available"):
+        script.main(["--shape", "2x4x4x1", "--device", "cuda"])

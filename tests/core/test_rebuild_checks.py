@@ -548,3 +548,39 @@ def test_a_rebuild_in_another_precision_is_compared_through_whole_fingerprints()
     layer.inverse_state = lambda ys: (original(ys)[0] * 1.01,)  # a 1% wrong inverse
     with pytest.warns(ReconstructionDriftWarning, match="drifted"):
         layer(torch.randn(2, 4, 8, 8, requires_grad=True)).sum().backward()
+
+
+@pytest.mark.parametrize("rows", [[2, 3, 4], [4, 3, 2], [5], [0, 2, 1, 5], [], [3, 1]])
+def test_take_rows_equals_indexing_and_is_a_view_for_rows_in_order(rows):
+    from revtrain.core.fingerprint import take_rows
+
+    t = torch.randn(6, 2, 5)
+    taken = take_rows(t, rows)
+    torch.testing.assert_close(taken, t[rows], rtol=0, atol=0)
+    if len(rows) > 1 and rows == list(range(rows[0], rows[-1] + 1)):
+        assert taken.data_ptr() == t[rows[0]].data_ptr()  # a view: nothing copied
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("check_every", [1, 2])
+def test_an_m_mode_step_on_cuda_syncs_with_the_host_only_to_read_its_verdicts(check_every):
+    """Indexing a GPU tensor with a Python list waits for the device; the check's only wait is
+    the one copy of the run's verdicts to the host (once the staggered patterns are cached)."""
+    torch.manual_seed(0)
+    model = make_stack(4, check_every=check_every).cuda()
+    x = torch.randn(2, 8, 4, 4, device="cuda", requires_grad=True)
+    for _ in range(2 * check_every):  # warm-up: plans and index patterns cached
+        model(x).square().sum().backward()
+    torch.cuda.synchronize()
+    counts = []
+    for _ in range(check_every):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss = model(x).square().sum()
+                loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in caught))
+    assert counts == [1] * check_every, counts
