@@ -47,5 +47,15 @@ def unsharded(layers: Iterable[Any]) -> Iterator[None]:
 
 
 def _is_whole(layer: Any) -> bool:
-    groups = getattr(layer._get_fsdp_state(), "_fsdp_param_groups", None) or []
-    return all(group.is_unsharded for group in groups)
+    return all(group.is_unsharded for group in _param_groups(layer._get_fsdp_state()))
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """The FSDP parameter groups of a module's state: a list in recent PyTorch
+    (``_fsdp_param_groups``), one or None before (``_fsdp_param_group``; torch 2.11 on an H100
+    machine, where reading only the list took every block for whole and F met DTensors)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]

@@ -56,3 +56,21 @@ def test_m_mode_sequence_under_fully_shard_matches_plain_autograd(group_of_one, 
     for (name, p), q in zip(model.named_parameters(), plain.parameters()):
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         torch.testing.assert_close(g, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("attribute", ["_fsdp_param_groups", "_fsdp_param_group"])
+def test_a_sharded_layer_is_found_whatever_the_torch_version_calls_its_groups(attribute: str) -> None:
+    """Recent PyTorch keeps a list of parameter groups, older versions (2.11) one group: a
+    layer with a sharded group must be unsharded under either."""
+    from types import SimpleNamespace
+
+    from revtrain.core.sharding import _is_whole
+
+    def layer(unsharded: bool) -> SimpleNamespace:
+        group = SimpleNamespace(is_unsharded=unsharded)
+        state = SimpleNamespace(**{attribute: [group] if attribute.endswith("s") else group})
+        return SimpleNamespace(_get_fsdp_state=lambda: state)
+
+    assert not _is_whole(layer(False))
+    assert _is_whole(layer(True))
+    assert _is_whole(SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace()))  # no parameters
