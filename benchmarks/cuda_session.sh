@@ -7,14 +7,16 @@
 #     OUT=/tmp/cuda bash benchmarks/cuda_session.sh tests core # only some parts
 #
 # Parts: tests (the CUDA-only tests and the core's suite on CUDA), core (core_peers + core_stack
-# with the overlap), tf32 (core_stack with TF32 off), zoo, transformer, planner, compile. Results go to $OUT/cuda/ and, packed, to
-# $OUT/cuda_results.tgz.
+# with the overlap), paired (many paired rounds at three shapes: small, the issue's, and one
+# large enough for the GPU to be the bottleneck, with the overlap), profile (ops, kernels and
+# syncs per step), tf32 (core_stack with TF32 off), zoo, transformer, planner, compile.
+# Results go to $OUT/cuda/ and, packed, to $OUT/cuda_results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 R="${OUT:-results}/cuda"
 mkdir -p "$R"
-parts="${*:-tests core tf32 zoo transformer planner compile}"
+parts="${*:-tests core paired profile tf32 zoo transformer planner compile}"
 want() { [[ " $parts " == *" $1 "* ]]; }
 say() { echo "=== $* ($(date -u +%H:%M:%S))"; }
 
@@ -39,6 +41,21 @@ if want core; then
   say core_stack
   python3 benchmarks/core_stack.py --device cuda --methods plain M C checkpoint M-nocheck M-overlap \
     --with-peers --out "$R/core_stack_cuda"
+fi
+if want paired; then
+  for shape in 8x16x8x16 32x64x32x16; do
+    say paired_rounds $shape
+    python3 benchmarks/paired_rounds.py --device cuda --shape $shape --rounds 150 \
+      --methods plain C M M-nocheck M-check4 revlib revtorch --out "$R/paired_rounds_${shape}_cuda"
+  done
+  say paired_rounds 256x256x32x8
+  python3 benchmarks/paired_rounds.py --device cuda --shape 256x256x32x8 --rounds 60 \
+    --methods plain C M M-nocheck M-overlap revlib revtorch --out "$R/paired_rounds_256x256x32x8_cuda"
+fi
+if want profile; then
+  say step_profile
+  python3 benchmarks/step_profile.py --device cuda --shape 32x64x32x8 \
+    --methods plain C M M-nocheck M-check4 revlib revtorch --out "$R/step_profile_32x64x32x8_cuda"
 fi
 if want tf32; then
   # The same stack with TF32 off for convolutions and matrix products (PyTorch enables it for

@@ -174,8 +174,8 @@ class _Plan(NamedTuple):
     u: Tensor | None
     """The row vectors, ``(A, L, 2)`` (None for an empty tensor)."""
     u_t: Tensor | None
-    """The same transposed, ``(A, 2, L)``, for CPU tensors from :data:`_TRANSPOSED_MIN` values
-    (None otherwise)."""
+    """The same transposed, ``(A, 2, L)``, for CPU and CUDA tensors from :data:`_TRANSPOSED_MIN`
+    values (None otherwise)."""
     fold: tuple[Tensor, ...] | None
     """How :func:`_fold_rows` folds ``W``: ``(s_A ⊗ s_R,)`` as one ``(A·R, 32)`` matrix, or
     ``(s_A, s_R)`` where that matrix would be large."""
@@ -191,9 +191,9 @@ class _Plan(NamedTuple):
         if not x.numel():
             return cls((a, r, length), upcast, None, None, None, False, 0)
         u, u_t, s_a, s_r = _random_vectors(a, r, length, torch.float32 if upcast else x.dtype, x.device)
-        if x.device.type != "cpu" or x.numel() < _TRANSPOSED_MIN:
-            # cuBLAS does the batched product at memory speed; on small CPU tensors it is the
-            # faster of the two inside a step.
+        if x.device.type not in _TRANSPOSED_DEVICES or x.numel() < _TRANSPOSED_MIN:
+            # On small tensors the batched product is the faster of the two (inside a CPU step;
+            # on an H100 as fast and 1-3 µs less host time); devices not measured take it too.
             u_t = None
         if a * r <= _MAX_KRON_ROWS:  # one product folds W (4 ops fewer, for small tensors)
             fold: tuple[Tensor, ...] = (torch.einsum("ap,rq->arpq", s_a, s_r).reshape(a * r, _FOLD_A * _FOLD_R),)
@@ -224,7 +224,7 @@ def _slab(x: Tensor, plan: _Plan) -> Tensor:
 def _row_projections(slab: Tensor, plan: _Plan) -> Tensor:
     """``W = X u``: ``(A, R, 2)``, each row's projections onto the two row vectors.
 
-    On CPUs, from :data:`_TRANSPOSED_MIN` values, computed transposed: ``u^T X^T``, two rows of
+    On CPUs and CUDA GPUs, from :data:`_TRANSPOSED_MIN` values, computed transposed: ``u^T X^T``, two rows of
     length ``L`` against the data, whatever its strides (``W`` comes back as a transposed view).
     MKL's product with two columns ran at a fraction of memory speed (600 µs for a
     (32, 32, 1024) float32 slab alone; the transposed product 150 µs). Measured inside a step
@@ -242,8 +242,14 @@ def _row_projections(slab: Tensor, plan: _Plan) -> Tensor:
 
 
 _TRANSPOSED_MIN = 1 << 15
-"""Values from which a CPU tensor takes the transposed product of :func:`_row_projections`
+"""Values from which a CPU or CUDA tensor takes the transposed product of :func:`_row_projections`
 (the batched product is faster at 4K values, the transposed one at 64K and above)."""
+
+_TRANSPOSED_DEVICES = ("cpu", "cuda")
+"""Devices where the transposed product was measured faster for large tensors. On an H100
+(torch 2.11, device time per product; ``results/fingerprint_products_cuda_h100.md``): 55 against
+70 µs for a (256, 128, 1024) float32 half (134 MB; 45 µs at memory speed), 31 against 54 µs at
+(128, 128, 1024), 17 against 23 µs at (32, 32, 1024); equal at (8, 8, 64)."""
 
 FOLD_EVERY = 4
 """Rebuilt states whose row projections M-mode backward compares together (one
