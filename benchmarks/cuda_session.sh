@@ -9,7 +9,7 @@
 # Parts: tests (the CUDA-only tests and the core's suite on CUDA), core (core_peers + core_stack
 # with the overlap), paired (many paired rounds at three shapes: small, the issue's, and one
 # large enough for the GPU to be the bottleneck, with the overlap), profile (ops, kernels and
-# syncs per step), tf32 (core_stack with TF32 off), zoo, transformer, planner, compile.
+# syncs per step; the fingerprint products' device time), tf32 (core_stack with TF32 off), zoo, transformer, planner, compile.
 # Results go to $OUT/cuda/ and, packed, to $OUT/cuda_results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +56,8 @@ if want profile; then
   say step_profile
   python3 benchmarks/step_profile.py --device cuda --shape 32x64x32x8 \
     --methods plain C M M-nocheck M-check4 revlib revtorch --out "$R/step_profile_32x64x32x8_cuda"
+  say fingerprint_products_cuda
+  python3 benchmarks/fingerprint_products_cuda.py --out "$R/fingerprint_products_cuda"
 fi
 if want tf32; then
   # The same stack with TF32 off for convolutions and matrix products (PyTorch enables it for
