@@ -537,7 +537,8 @@ _MAX_KRON_ROWS = 1 << 14
 
 
 def take_rows(t: Tensor, rows: Sequence[int]) -> Tensor:
-    """``t[rows]`` along the first dimension without a host-device sync.
+    """``t[rows]`` along the first dimension without a host-device sync (negative rows count
+    from the end; a row out of range raises :class:`IndexError` on the host, for GPU tensors too).
 
     Indexing a GPU tensor with a Python list copies the list to the device and waits for the
     copy (a ``cudaStreamSynchronize`` mid-step: two per M-mode step on an H100 before this, in
@@ -548,6 +549,11 @@ def take_rows(t: Tensor, rows: Sequence[int]) -> Tensor:
     """
     n = len(rows)
     if n:
+        size, low, high = t.shape[0], min(rows), max(rows)
+        if low < -size or high >= size:  # as t[rows]; a slice would silently come out short
+            raise IndexError(f"row {low if low < -size else high} is out of range for a tensor of {size} rows")
+        if low < 0:  # counted from the end, as t[rows] reads them (a slice would not)
+            rows = [r + size if r < 0 else r for r in rows]
         first, last = rows[0], rows[-1]
         if abs(last - first) == n - 1 and all(abs(b - a) == 1 and (b > a) == (last > first) for a, b in zip(rows, rows[1:])):
             if last >= first:

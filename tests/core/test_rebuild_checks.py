@@ -561,6 +561,30 @@ def test_take_rows_equals_indexing_and_is_a_view_for_rows_in_order(rows):
         assert taken.data_ptr() == t[rows[0]].data_ptr()  # a view: nothing copied
 
 
+@pytest.mark.parametrize("rows", [[-1], [-2, -1], [-1, -2], [-3, -2, -1], [0, -1], [-1, 3, 0]])
+def test_take_rows_reads_negative_rows_as_indexing_does(rows):
+    """A slice from a negative start to a non-negative stop is empty: negative rows must not
+    take the view path as they are."""
+    from revtrain.core.fingerprint import take_rows
+
+    t = torch.randn(6, 2, 5)
+    torch.testing.assert_close(take_rows(t, rows), t[rows], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])  # meta: the GPU path (index_select), on the host
+@pytest.mark.parametrize("rows", [[5, 6], [4, 5, 6], [7], [-7], [6, 5], [0, 9, 2]])
+def test_take_rows_refuses_rows_out_of_range_as_indexing_does(rows, device):
+    """A slice past the end comes out short without a word; t[rows] raises (on a GPU an index
+    out of range would be a device-side assert)."""
+    from revtrain.core.fingerprint import take_rows
+
+    with pytest.raises(IndexError):
+        torch.empty(6, 2, 5)[rows]
+    t = torch.empty(6, 2, 5, device=device)
+    with pytest.raises(IndexError, match="out of range for a tensor of 6 rows"):
+        take_rows(t, rows)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("check_every", [1, 2])
 def test_an_m_mode_step_on_cuda_syncs_with_the_host_only_to_read_its_verdicts(check_every):
