@@ -226,7 +226,12 @@ def at_end_of_backward(read: Callable[[], object], device: torch.device) -> None
 
     A drift warning or :class:`ReconstructionError` then comes out of ``loss.backward()`` after
     every gradient is computed, instead of from within the run. Gradients of a backward that
-    raised are not to be used, either way: layers above the run have theirs already.
+    raised are not to be used, either way: layers above the run have theirs already. Unlike a
+    read at once, the failing run's own gradients (non-finite where its rebuild was) and those
+    below it reach ``.grad`` and whatever acts on gradients during backward before the error:
+    post-accumulate-grad hooks (an optimizer step fused into backward), DDP's all-reduce, which
+    hands them to every rank. Inside a nested backward (``torch.utils.checkpoint`` with
+    ``use_reentrant=True``), "the backward pass that is running" is the nested one.
     Outside the autograd engine (a direct call), ``read`` runs at once.
     """
     if device.type in READ_AT_END_OF_BACKWARD:

@@ -660,6 +660,23 @@ def test_at_end_of_backward_verdicts_come_after_every_gradient(read_at_end, monk
     assert events == ["below the top run", "verdicts of a run of 2", "verdicts of a run of 1"]
 
 
+def test_at_end_of_backward_inside_a_reentrant_checkpoint_raises_from_the_outer_backward(read_at_end):
+    """A run inside ``checkpoint(use_reentrant=True)`` reads its verdicts when the nested
+    backward ends: the error still comes out of ``loss.backward()``, before backward reaches
+    the layers below the checkpoint."""
+    from torch.utils.checkpoint import checkpoint
+
+    events: list[str] = []
+    inner = nn.Sequential(ReversibleSequence([ReversibleBlock(NaNAfter(), nn.Tanh()),
+                                              ReversibleBlock(nn.Tanh(), nn.Tanh())]))
+    x = torch.randn(3, 8, requires_grad=True)
+    below = x * 1.0
+    below.register_hook(lambda g: events.append("below the checkpoint") or g)
+    with pytest.raises(ReconstructionError, match=r"forward pass of block 0 of a run of 2"):
+        checkpoint(inner, below, use_reentrant=True).sum().backward()
+    assert events == []
+
+
 def test_verdicts_are_read_at_once_outside_the_autograd_engine():
     from revtrain.core.checks import at_end_of_backward
 
