@@ -40,7 +40,6 @@ from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 
 __all__ = [
     "check_rebuilds",
-    "at_end_of_backward",
     "verdict_dtype",
     "RunCheck",
     "PROJECTIONS",
@@ -209,38 +208,6 @@ class RunCheck:
         errors, names = _read(_summarise(*host), check)
         _report(errors, names, layers, check)
         return errors
-
-
-READ_AT_END_OF_BACKWARD = frozenset({"cuda", "xpu", "mps"})
-"""Device types whose runs read their verdicts once the whole backward pass is done."""
-
-
-def at_end_of_backward(read: Callable[[], object], device: torch.device) -> None:
-    """Run ``read`` (a run's :meth:`RunCheck.finish`) now for CPU tensors; for tensors on a
-    GPU (:data:`READ_AT_END_OF_BACKWARD`) when the backward pass that is running ends.
-
-    Reading verdicts on the host waits for the device to finish everything queued before it.
-    Mid-backward, that wait starves the GPU while the host launches the next kernels. It
-    happens once per run of layers, and backward goes on below each run. At the end, the device
-    has the whole backward queued; runs that end later find it idle and do not wait.
-
-    A drift warning or :class:`ReconstructionError` then comes out of ``loss.backward()`` after
-    every gradient is computed, instead of from within the run. Gradients of a backward that
-    raised are not to be used, either way: layers above the run have theirs already. Unlike a
-    read at once, the failing run's own gradients (non-finite where its rebuild was) and those
-    below it reach ``.grad`` and whatever acts on gradients during backward before the error:
-    post-accumulate-grad hooks (an optimizer step fused into backward), DDP's all-reduce, which
-    hands them to every rank. Inside a nested backward (``torch.utils.checkpoint`` with
-    ``use_reentrant=True``), "the backward pass that is running" is the nested one.
-    Outside the autograd engine (a direct call), ``read`` runs at once.
-    """
-    if device.type in READ_AT_END_OF_BACKWARD:
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(read)
-            return
-        except RuntimeError:  # "Final callbacks can only be installed during backward pass"
-            pass
-    read()
 
 
 def _all_within(before: np.ndarray, verdicts: np.ndarray, tolerances: Sequence[float]) -> bool:

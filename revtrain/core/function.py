@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
-from revtrain.core.checks import RunCheck, at_end_of_backward
+from revtrain.core.checks import RunCheck
 from revtrain.core.fingerprint import Fingerprints, layout_of, take_rows
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
@@ -228,13 +228,13 @@ class _ReversibleRun(torch.autograd.Function):
                     del result
         _hand_over(ctx, tuple(state))
         if rebuilt is not None:
-            checked = ctx.checked
-            at_end_of_backward(functools.partial(
-                rebuilt.finish,
-                [layers[i] for i in checked],
-                lambda k: _where(layers[checked[k]], checked[k], n),
+            # Read here, before the run hands back its gradients: a non-finite rebuild raises
+            # before they reach .grad, post-accumulate-grad hooks or a DDP all-reduce.
+            rebuilt.finish(
+                [layers[i] for i in ctx.checked],
+                lambda k: _where(layers[ctx.checked[k]], ctx.checked[k], n),
                 take_rows(ctx.prints, ends)[..., 0],
-            ), ctx.prints.device)
+            )
         dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]
         return (None, *dxs, *extra_grads, *flat)

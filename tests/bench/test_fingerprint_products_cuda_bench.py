@@ -28,3 +28,9 @@ def test_both_products_agree_and_are_timed(tmp_path: Path) -> None:
     for row in rows:
         for name in ("batched", "transposed"):
             assert row[name]["device_us"] > 0 and row[name]["rel_error"] < 1e-5
+
+
+def test_a_malformed_device_is_named() -> None:
+    script = load_benchmark("fingerprint_products_cuda")
+    with pytest.raises(SystemExit, match="--device"):
+        script.main(["--device", "cuda:x"])
