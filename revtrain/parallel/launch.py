@@ -99,7 +99,7 @@ def launch(options: RunOptions, petra: PetraConfig, *, log: Callable[[str], None
         PipelineConfigError: a setting that cannot work, before any process starts.
         StageFailedError: a stage failed; the others were stopped (see the module docstring).
     """
-    from revtrain.parallel.runner import default_run_dir, measured_split
+    from revtrain.parallel.runner import default_run_dir
 
     device = torch.device("cuda" if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available()) else "cpu")
     check_backend(options.backend, device)

@@ -230,5 +230,6 @@ def _forward_saved(setup: MeasurementSetup, exclude: set[int]) -> tuple[int, int
             loss = setup.loss()
         live = mem.end_bytes
     hooks = sum(st.nbytes() for st in saved.values())
-    del loss, saved
+    del loss
+    saved.clear()  # the storages, not the name: pack (a closure) refers to it
     return hooks, live

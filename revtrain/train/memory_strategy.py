@@ -4,7 +4,7 @@ a saved plan, or a plan made now for a memory budget (Jiang et al. 2021, stages 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch

@@ -4,7 +4,6 @@ memory of one training step in the run's modes against plain backprop.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -18,11 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from revtrain.core import set_modes
-from revtrain.memory import process_peak_rss_bytes, track_peak_memory
+from revtrain.memory import process_peak_rss_bytes
 from revtrain.tasks import add_sums
 from revtrain.train.files import NO_SPACE, DiskFullError, atomic_write_text
-from revtrain.train.checkpoint import capture_rng_state, restore_rng_state
 
 __all__ = ["MetricsWriter", "EpochStats", "live_memory", "StepMemory", "measure_step_memory"]
 
