@@ -248,8 +248,8 @@ _TRANSPOSED_MIN = 1 << 15
 _TRANSPOSED_DEVICES = ("cpu", "cuda")
 """Devices where the transposed product was measured faster for large tensors. On an H100
 (torch 2.11, device time per product; ``results/fingerprint_products_cuda_h100.md``): 55 against
-70 µs for a (256, 128, 1024) float32 half (134 MB; 45 µs at memory speed), 31 against 54 µs at
-(128, 128, 1024), 17 against 23 µs at (32, 32, 1024); equal at (8, 8, 64)."""
+69 µs for a (256, 128, 1024) float32 half (134 MB; 45 µs at memory speed), 30 against 51 µs at
+(128, 128, 1024); at (32, 32, 1024) within noise (17–25 against 22–23 µs over three runs)."""
 
 FOLD_EVERY = 4
 """Rebuilt states whose row projections M-mode backward compares together (one
