@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from revtrain.bench import StackBenchConfig, machine_info
-from revtrain.bench.stack import _build_models, _time_round_robin
+from revtrain.bench.stack import _time_round_robin, parse_stack_shape, stack_setup
 from revtrain.device import resolve_device
 from revtrain.timing import median_interval
 
@@ -55,11 +55,7 @@ def run(
     batch, channels, size, depth = shape
     config = StackBenchConfig(batch=batch, channels=channels, size=size, depths=(depth,),
                               methods=tuple(methods), repeats=rounds, warmup=warmup, device=str(device))
-    torch.manual_seed(config.seed)
-    models = _build_models(depth, config, device)
-    params = list(models["plain"].parameters())
-    x = torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(config.seed))
-    x = x.to(device).requires_grad_(True)
+    models, x, params = stack_setup(depth, config, device)
     wall, _ = _time_round_robin(models, x, params, config, device)
     return wall
 
@@ -67,10 +63,9 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        shape = tuple(int(v) for v in args.shape.lower().split("x"))
-        assert len(shape) == 4
-    except (ValueError, AssertionError):
-        raise SystemExit(f"--shape is BATCHxCHANNELSxSIZExDEPTH, e.g. 8x16x8x16; got {args.shape!r}") from None
+        shape = parse_stack_shape(args.shape)
+    except ValueError as e:
+        raise SystemExit(f"--shape: {e}") from None
     methods = args.methods if "plain" in args.methods else ["plain", *args.methods]
     try:
         device = resolve_device(args.device)

@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from revtrain.bench import StackBenchConfig, machine_info
-from revtrain.bench.stack import _build_models, _clear_grads, _step, _sync
+from revtrain.bench.stack import _clear_grads, _step, _sync, parse_stack_shape, stack_setup
 from revtrain.device import resolve_device
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,9 +94,9 @@ def profile_method(model: torch.nn.Module, x: torch.Tensor, params: list, device
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        batch, channels, size, depth = (int(v) for v in args.shape.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"--shape is BATCHxCHANNELSxSIZExDEPTH, e.g. 32x64x32x8; got {args.shape!r}") from None
+        batch, channels, size, depth = parse_stack_shape(args.shape)
+    except ValueError as e:
+        raise SystemExit(f"--shape: {e}") from None
     try:
         device = resolve_device(args.device)
     except (ValueError, RuntimeError) as e:
@@ -105,11 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     config = StackBenchConfig(batch=batch, channels=channels, size=size, depths=(depth,),
                               methods=tuple(methods), repeats=args.steps, warmup=args.warmup, device=str(device))
     info = machine_info(device)
-    torch.manual_seed(config.seed)
-    models = _build_models(depth, config, device)
-    params = list(models["plain"].parameters())
-    x = torch.randn(batch, channels, size, size, generator=torch.Generator().manual_seed(config.seed))
-    x = x.to(device).requires_grad_(True)
+    models, x, params = stack_setup(depth, config, device)
     with profile(activities=[ProfilerActivity.CPU]):  # the profiler's own start-up, not timed
         _step(models["plain"], x)
     results = {m: profile_method(models[m], x, params, device, args.steps, args.warmup) for m in methods}

@@ -48,6 +48,8 @@ __all__ = [
     "StackBenchRow",
     "GradientMismatchError",
     "run_stack_benchmark",
+    "stack_setup",
+    "parse_stack_shape",
     "format_table",
     "resolve_device",
 ]
@@ -394,9 +396,11 @@ def _peaks(
     return peaks
 
 
-def _measure_depth(
-    depth: int, config: StackBenchConfig, device: torch.device, log: Callable[[str], None]
-) -> list[StackBenchRow]:
+def stack_setup(
+    depth: int, config: StackBenchConfig, device: torch.device
+) -> tuple[dict[str, nn.Module], Tensor, list[Tensor]]:
+    """What every measurement of the stack starts from, seeded by ``config.seed``: the model of
+    each of ``config.methods`` (one set of F/G weights), the input batch and the parameters."""
     torch.manual_seed(config.seed)
     models = _build_models(depth, config, device)
     params = list(models["plain"].parameters())
@@ -404,6 +408,28 @@ def _measure_depth(
     x_cpu = torch.randn(config.batch, config.channels, config.size, config.size, generator=gen)
     # The input needs a gradient, as a stack inside a network (after a stem) does.
     x = x_cpu.to(device=device, dtype=config.torch_dtype).requires_grad_(True)
+    return models, x, params
+
+
+def parse_stack_shape(text: str) -> tuple[int, int, int, int]:
+    """``"8x16x8x16"`` as ``(batch, channels, size, depth)``.
+
+    Raises:
+        ValueError: not four integers joined by ``x``; the message names the form.
+    """
+    try:
+        shape = tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4:
+        raise ValueError(f"a stack shape is BATCHxCHANNELSxSIZExDEPTH, e.g. 8x16x8x16; got {text!r}")
+    return shape  # type: ignore[return-value]
+
+
+def _measure_depth(
+    depth: int, config: StackBenchConfig, device: torch.device, log: Callable[[str], None]
+) -> list[StackBenchRow]:
+    models, x, params = stack_setup(depth, config, device)
 
     errors: dict[str, float | None] = dict.fromkeys(models)
     if config.check_gradients:
