@@ -169,11 +169,18 @@ class ModuleTensors:
 
     @classmethod
     def capture(cls, module: nn.Module) -> ModuleTensors:
-        entries = []
+        # This runs for every layer of every M-mode forward: list comprehensions over the
+        # non-empty dicts only (extending with generators took 35 µs for a RevNet block's 15
+        # modules, this 11).
+        entries: list[tuple[dict[str, Any], str, Tensor | None]] = []
         norms = []
         for m in submodules(module):
-            entries.extend((m._parameters, name, t) for name, t in m._parameters.items())
-            entries.extend((m._buffers, name, t) for name, t in m._buffers.items())
+            d = m._parameters
+            if d:
+                entries += [(d, name, t) for name, t in d.items()]
+            d = m._buffers
+            if d:
+                entries += [(d, name, t) for name, t in d.items()]
             if isinstance(m, _NormBase) and m.training and m.track_running_stats:
                 norms.append(m)
         return cls(tuple(entries), tuple(norms))
