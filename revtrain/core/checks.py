@@ -140,6 +140,10 @@ class RunCheck:
     def __init__(self, prints: Tensor, rows: Sequence[int]) -> None:
         self._prints_before = prints
         self._rows = list(rows)
+        # The usual case, every layer of the run checked: the rows follow each other, and the
+        # forward's fingerprints of a group of layers are a slice.
+        first = self._rows[0] if self._rows else 0
+        self._offset = first if self._rows == list(range(first, first + len(self._rows))) else None
         self._compared = 0
         # The layers added since the last comparison: their row projections where the state's
         # plan allows comparing them directly (all of one plan), else their fingerprints.
@@ -179,6 +183,8 @@ class RunCheck:
         """The forward's fingerprints of layers ``start:stop``: a view where their rows follow
         each other (a run whose layers are all checked), else a copy (without a device sync:
         :func:`~revtrain.core.fingerprint.take_rows`)."""
+        if self._offset is not None:
+            return self._prints_before[self._offset + start : self._offset + stop]
         return take_rows(self._prints_before, self._rows[start:stop])
 
     def finish(

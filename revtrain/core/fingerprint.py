@@ -270,7 +270,8 @@ class _StatePlan(NamedTuple):
     plans: tuple[_Plan, ...]
     """Per tensor."""
     device_type: str
-    """The tensors' device type (autocast is switched off there around the products)."""
+    """The tensors' device type as autocast names it (autocast is switched off there around the
+    products, where it is on; where it is off, no context is entered: this runs per state)."""
     shared: _Plan | None
     """The one plan of every tensor, where they share one and are not empty: such states fold
     as one batch (:meth:`Fingerprints._fold`)."""
@@ -288,7 +289,7 @@ class _StatePlan(NamedTuple):
                 plan = _plans[(k, x.shape, x.dtype, x.device)] = _Plan.of(x, k)
             plans.append(plan)
         shared = plans[0] if plans[0].u is not None and all(p is plans[0] for p in plans) else None
-        return cls(tuple(plans), state[0].device.type, shared, any(p.exact_norm for p in plans), sum(p.values for p in plans))
+        return cls(tuple(plans), _autocast_type(state[0].device.type), shared, any(p.exact_norm for p in plans), sum(p.values for p in plans))
 
 
 _state_plans: dict[tuple, _StatePlan] = {}
@@ -334,7 +335,10 @@ class Fingerprints:
         """Take the fingerprint of ``state`` (cut into rows by ``layout``, default its own);
         returns its index into :meth:`results`."""
         plan = _state_plan(state, layout_of(state) if layout is None else layout)
-        with _full_precision(plan.device_type):  # the products in the tensors' precision
+        if torch.is_autocast_enabled(plan.device_type):
+            with torch.autocast(plan.device_type, enabled=False):  # the products in the tensors' precision
+                rows, exact = _products(state, plan)
+        else:
             rows, exact = _products(state, plan)
         index = self._folded + len(self._pending)
         self._pending.append((plan, rows, exact))
@@ -472,8 +476,10 @@ def comparable_plan(state: Sequence[Tensor], layout: Layout, dtype: torch.dtype)
 def row_projections(state: Sequence[Tensor], plan: _Plan) -> list[Tensor]:
     """``W`` of each tensor of a state whose tensors share ``plan`` (the pass over the data,
     without the norms: a rebuilt state's fingerprint is compared by its projections)."""
-    with _full_precision(state[0].device.type):
-        return [_row_projections(_slab(x, plan), plan) for x in state]
+    if torch.is_autocast_enabled(_autocast_type(state[0].device.type)):
+        with _full_precision(state[0].device.type):
+            return [_row_projections(_slab(x, plan), plan) for x in state]
+    return [_row_projections(_slab(x, plan), plan) for x in state]
 
 
 def projection_errors(ws: list[Tensor], plan: _Plan, before: Tensor, out: Tensor) -> None:
@@ -504,9 +510,14 @@ def projection_errors(ws: list[Tensor], plan: _Plan, before: Tensor, out: Tensor
         torch.linalg.vector_norm(diff.view(n, h, PROJECTIONS), dim=-1, dtype=out.dtype, out=out)
 
 
+def _autocast_type(device_type: str) -> str:
+    """The device type autocast knows ``device_type`` by (other devices: ``"cpu"``)."""
+    return device_type if device_type in ("cuda", "cpu", "xpu", "mps") else "cpu"
+
+
 def _full_precision(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast off (the check's products in the tensors' own precision), where it is on."""
-    device_type = device_type if device_type in ("cuda", "cpu", "xpu", "mps") else "cpu"
+    device_type = _autocast_type(device_type)
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
