@@ -18,7 +18,9 @@ backward, and each is handled here:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import ctypes
+import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +49,14 @@ def submodules(module: nn.Module) -> list[nn.Module]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RngState:
-    """The CPU generator state and, where used, the CUDA generator state of one device."""
+    """The CPU generator state and, where used, the CUDA generator state of one device.
+
+    Captured three times per M-mode block in every forward: a plain slotted class (a frozen
+    dataclass's ``__init__`` cost as much as reading the generator) that reads the default
+    generator directly (``torch.get_rng_state`` wraps that call). Not changed after capture.
+    """
 
     cpu: Tensor
     cuda_device: int | None
@@ -59,8 +66,8 @@ class RngState:
     def capture(cls, device: torch.device) -> RngState:
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            return cls(torch.get_rng_state(), index, torch.cuda.get_rng_state(index))
-        return cls(torch.get_rng_state(), None, None)
+            return cls(torch.default_generator.get_state(), index, torch.cuda.get_rng_state(index))
+        return cls(torch.default_generator.get_state(), None, None)
 
     def same_as(self, other: RngState) -> bool:
         """Whether the generators are in the same state (nothing drew random numbers between
@@ -95,8 +102,35 @@ class RngState:
 
 
 def _same_bytes(a: Tensor, b: Tensor) -> bool:
-    """Equality of two generator states (CPU byte tensors); twice as fast as torch.equal."""
+    """Equality of two generator states (contiguous CPU byte tensors, as the generators hand
+    them out): C's ``memcmp`` on their memory, where the C library can be loaded.
+
+    Two states are compared per M-mode block in every forward. Through numpy each comparison
+    was four dispatched ops (``.numpy()`` detaches, converts and resolves conjugate and negative
+    views), and capturing and comparing the generators took 2.8% of an M-mode step at batch 8,
+    16 channels, 8×8 (in-process paired rounds against ``preserve_rng_state=False``).
+    """
+    n = a.numel()
+    if n != b.numel():
+        return False
+    if _memcmp is not None and a.is_contiguous() and b.is_contiguous():
+        return _memcmp(a.data_ptr(), b.data_ptr(), n * a.element_size()) == 0
     return a.numpy().tobytes() == b.numpy().tobytes()
+
+
+def _load_memcmp() -> Callable[[int, int, int], int] | None:
+    """The C library's ``memcmp``, or None where it cannot be loaded (then numpy compares)."""
+    try:
+        libc = ctypes.cdll.msvcrt if os.name == "nt" else ctypes.CDLL(None)
+        memcmp = libc.memcmp
+    except (OSError, AttributeError):
+        return None
+    memcmp.restype = ctypes.c_int
+    memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return memcmp
+
+
+_memcmp = _load_memcmp()
 
 
 @dataclass(frozen=True)

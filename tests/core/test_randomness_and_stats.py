@@ -121,3 +121,25 @@ def test_dropout_and_batchnorm_match_plain_autograd_over_steps_and_modes():
         assert_grads_close(grads(model), grads(twin), 1e-10)
         for a, b in zip(model.buffers(), twin.buffers()):
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_generator_states_compare_by_every_byte():
+    """The forward's test for "F drew random numbers" (``RngState.same_as``): equal states are
+    equal, a state after one draw is not, and a difference in the first or the last byte alone
+    is seen, on the C library's ``memcmp`` and on the numpy fallback (non-contiguous states)."""
+    from revtrain.core.replay import RngState, _same_bytes
+
+    cpu = torch.device("cpu")
+    a, b = RngState.capture(cpu), RngState.capture(cpu)
+    assert a.same_as(b)
+    torch.rand(1)
+    assert not a.same_as(RngState.capture(cpu))
+    for index in (0, -1):
+        changed = a.cpu.clone()
+        changed[index] ^= 1
+        assert not _same_bytes(a.cpu, changed)
+        assert _same_bytes(a.cpu, a.cpu.clone())
+        # Every other byte of a doubled state: not contiguous, compared through numpy.
+        doubled = torch.stack([a.cpu, changed], dim=1)
+        assert _same_bytes(a.cpu, doubled[:, 0]) and not _same_bytes(a.cpu, doubled[:, 1])
+    assert not _same_bytes(a.cpu, a.cpu[:-1])
