@@ -411,11 +411,13 @@ def _couple_phases(
     with replay(rng_f), torch.set_grad_enabled(build_f):
         h_f = extra.call(roles.f, x2)
     h_f_value = _detached(h_f)
-    with torch.no_grad():
-        x1 = coupling.inverse(z1.detach(), h_f_value)
+    with torch.no_grad():  # z1 as it is: no graph is built here, and a detach is one more op
+        x1 = coupling.inverse(z1, h_f_value)
     del y1, z1  # G's graph is gone: nothing reads the output half any more
 
-    yield (x1, x2.detach())
+    # The rebuilt x2 as the layer below sees it: without F's graph (one detach, for both uses).
+    x2_out = x2.detach() if x2.requires_grad else x2
+    yield (x1, x2_out)
     dx1: Tensor | None = None
     if build_f:
         dx1, dh_f = coupling.vjp(x1, h_f_value, dz1)  # type: ignore[arg-type]
@@ -426,7 +428,7 @@ def _couple_phases(
             dx2 = dx2_f if dx2 is None else _add(dx2, dx2_f)
         grads = [_sum(a, b) for a, b in zip(grads, f_grads)]
     extra_grads = route_extra_grads(extra, grads[n_params:])
-    return StepResult((x1, x2.detach()), (dx1, dx2), grads[:n_params], extra_grads)
+    return StepResult((x1, x2_out), (dx1, dx2), grads[:n_params], extra_grads)
 
 
 def _explain_call_error(fn: nn.Module, fn_name: str, inp: Tensor, extra: ExtraArgs, err: Exception) -> None:
