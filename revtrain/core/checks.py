@@ -35,6 +35,7 @@ from revtrain.core.fingerprint import (
     projection_errors,
     row_projections,
     take_rows,
+    transposed_projections,
 )
 from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 
@@ -144,6 +145,9 @@ class RunCheck:
         # forward's fingerprints of a group of layers are a slice.
         first = self._rows[0] if self._rows else 0
         self._offset = first if self._rows == list(range(first, first + len(self._rows))) else None
+        # Their projections as projection_errors reads them, sliced per group (h rows per state).
+        self._halves = prints.shape[1]
+        self._before_t = transposed_projections(prints) if self._offset is not None else None
         self._compared = 0
         # The layers added since the last comparison: their row projections where the state's
         # plan allows comparing them directly (all of one plan), else their fingerprints.
@@ -173,7 +177,12 @@ class RunCheck:
             return
         start, stop = self._compared, self._compared + self._waiting
         if self._plan is not None:
-            projection_errors(self._projections, self._plan, self._before(start, stop), self._verdicts[start:stop])  # type: ignore[arg-type]
+            if self._before_t is not None:
+                h, first = self._halves, self._offset + start  # type: ignore[operator]
+                before_t = self._before_t[first * h : (first + stop - start) * h]
+            else:
+                before_t = transposed_projections(self._before(start, stop))
+            projection_errors(self._projections, self._plan, before_t, self._verdicts[start:stop])  # type: ignore[arg-type]
             self._projections = []
         else:
             _compare(self._before(start, stop), self._prints.take(), self._verdicts[start:stop])  # type: ignore[arg-type]
@@ -298,7 +307,7 @@ def _on_host(*tensors: Tensor, gather: bool | None = None) -> list[np.ndarray]:
     """The tensors as arrays in host memory: from a GPU in one copy (one sync, as float64),
     from the CPU without a copy (in their own dtype). ``gather`` forces the one-copy path (a
     test runs it on the CPU)."""
-    tensors = tuple(t.detach() for t in tensors)
+    tensors = tuple(t.detach() if t.requires_grad else t for t in tensors)  # a detach is an op
     if not (tensors[0].device.type != "cpu" if gather is None else gather):
         return [t.numpy() for t in tensors]
     dtype = verdict_dtype(tensors[0].device)  # float64 where the device has it

@@ -39,7 +39,7 @@ from torch import Tensor
 
 __all__ = [
     "fingerprint", "Fingerprints", "layout_of", "Layout", "PROJECTIONS", "EXACT_NORM_ROWS", "FOLD_EVERY",
-    "comparable_plan", "row_projections", "projection_errors", "take_rows",
+    "comparable_plan", "row_projections", "projection_errors", "transposed_projections", "take_rows",
 ]
 
 ROW_VECTORS = 2
@@ -482,32 +482,58 @@ def row_projections(state: Sequence[Tensor], plan: _Plan) -> list[Tensor]:
     return [_row_projections(_slab(x, plan), plan) for x in state]
 
 
-def projection_errors(ws: list[Tensor], plan: _Plan, before: Tensor, out: Tensor) -> None:
+def projection_errors(ws: list[Tensor], plan: _Plan, before_t: Tensor, out: Tensor) -> None:
     """Compare rebuilt states with the forward's fingerprints in one product.
 
     ``ws``: the row projections of ``n`` rebuilt states of ``h`` tensors each, state by state
-    (:func:`row_projections`); ``before``: the forward's fingerprints of those states, ``(n, h,
-    1 + PROJECTIONS)``. Fills ``out`` ``(n, h)`` with each tensor's verdict: the root sum of
-    squares of its projections' differences, summed in ``out``'s dtype (float64 in
-    ``core/checks.py``: non-finite exactly where a rebuilt projection is, and a non-finite value
-    in the data makes its projections non-finite). The fold and the difference are one
-    ``baddbmm``, ``W^T (s_A ⊗ s_R) - p_before``; the rebuilt fingerprints themselves are never
-    formed. Three ops per group of states where folding them and comparing took ~15: inside an
-    M-mode step each small op cost several times what it costs alone (a small step's
-    comparisons took 3% of it).
+    (:func:`row_projections`); ``before_t``: the forward's projections of those states as
+    :func:`transposed_projections` gives them, ``(n·h, PROJECTIONS / 2, 2)``. Fills ``out``
+    ``(n, h)`` with each tensor's verdict: the root sum of squares of its projections'
+    differences, summed in ``out``'s dtype (float64 in ``core/checks.py``: non-finite exactly
+    where a rebuilt projection is, and a non-finite value in the data makes its projections
+    non-finite). The fold and the difference are one ``baddbmm``, ``(s_A ⊗ s_R)^T W -
+    p_before``; the rebuilt fingerprints themselves are never formed. Inside an M-mode step each
+    small op costs several times what it costs alone (a small step's comparisons took 3% of it
+    when they were ~15 ops per group): here one stack, one view, the product and the norm, with
+    the fold's transposed batch cached per plan and group size and ``before_t`` a slice of a
+    view taken once per run.
     """
-    n, h = before.shape[0], before.shape[1]
+    if torch.is_autocast_enabled(_autocast_type(before_t.device.type)):
+        with _full_precision(before_t.device.type):
+            _projection_errors(ws, plan, before_t, out)
+    else:
+        _projection_errors(ws, plan, before_t, out)
+
+
+def _projection_errors(ws: list[Tensor], plan: _Plan, before_t: Tensor, out: Tensor) -> None:
+    m = before_t.shape[0]
+    w = torch.stack(ws)  # (n * h, A, R, 2), contiguous whatever the products' strides
+    diff = torch.baddbmm(before_t, _batched_fold_t(plan, m), w.view(m, -1, ROW_VECTORS), beta=-1)
+    torch.linalg.vector_norm(diff.view(*out.shape, PROJECTIONS), dim=-1, dtype=out.dtype, out=out)
+
+
+def transposed_projections(prints: Tensor) -> Tensor:
+    """The projections of fingerprints ``(n, h, 1 + PROJECTIONS)`` as :func:`projection_errors`
+    reads them: ``(n·h, PROJECTIONS / 2, 2)``, a view (two ops; take it once per run and slice
+    it, ``h`` rows per state)."""
+    n, h = prints.shape[0], prints.shape[1]
+    return prints[..., 1:].reshape(n * h, ROW_VECTORS, -1).transpose(1, 2)
+
+
+def _batched_fold_t(plan: _Plan, m: int) -> Tensor:
+    """``(s_A ⊗ s_R)^T`` of a plan whose fold is one matrix, contiguous, as a batch of ``m``
+    (an expanded view, cached: one op per comparison fewer)."""
     (fold,) = plan.fold  # type: ignore[misc]
-    with _full_precision(before.device.type):
-        w = torch.stack(ws)  # (n * h, A, R, 2), contiguous whatever the products' strides
-        rows = w.shape[1] * w.shape[2]
-        diff = torch.baddbmm(
-            before[..., 1:].reshape(n * h, ROW_VECTORS, -1),
-            w.view(n * h, rows, ROW_VECTORS).transpose(1, 2),
-            fold.expand(n * h, *fold.shape),
-            beta=-1,
-        )
-        torch.linalg.vector_norm(diff.view(n, h, PROJECTIONS), dim=-1, dtype=out.dtype, out=out)
+    key = (id(fold), m)
+    cached = _fold_batches.get(key)
+    if cached is None or cached[0] is not fold:
+        if len(_fold_batches) >= _MAX_CACHED:
+            _fold_batches.clear()
+        cached = _fold_batches[key] = (fold, fold.T.contiguous().expand(m, *fold.T.shape))
+    return cached[1]
+
+
+_fold_batches: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
 
 def _autocast_type(device_type: str) -> str:
