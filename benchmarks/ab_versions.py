@@ -34,12 +34,14 @@ from pathlib import Path
 
 import torch
 
-from revtrain.bench import machine_info
-from revtrain.bench.stack import EXTRA_METHODS, OURS, _timed_step, parse_stack_shape, stack_setup
-from revtrain.device import resolve_device
-from revtrain.timing import median_interval
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the working tree's revtrain, whatever is installed
+
+import revtrain  # noqa: E402
+from revtrain.bench import machine_info  # noqa: E402
+from revtrain.bench.stack import EXTRA_METHODS, OURS, _timed_step, parse_stack_shape, stack_setup  # noqa: E402
+from revtrain.device import resolve_device  # noqa: E402
+from revtrain.timing import median_interval  # noqa: E402
 
 BASE_PACKAGE = "revtrain_base"
 """The name the exported revision is imported under."""
@@ -97,6 +99,10 @@ def build(stack_module, shape: tuple[int, int, int, int], method: str, device: t
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not Path(revtrain.__file__).resolve().is_relative_to(ROOT):
+        raise SystemExit(f"the revtrain imported is {Path(revtrain.__file__).parent}, not this working tree's "
+                         f"({ROOT / 'revtrain'}): the 'new' side would not be the working tree. Run with "
+                         f"PYTHONPATH={ROOT}")
     try:
         shape = parse_stack_shape(args.shape)
     except ValueError as e:
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("base", "new") if args.order == "bn" else ("new", "base"):
             try:
                 built[key] = build(versions[key], shape, args.method, device)
-            except (KeyError, ValueError) as err:
+            except (KeyError, ValueError, AttributeError, TypeError) as err:  # an older stack benchmark
                 raise SystemExit(f"{key} ({commit if key == 'base' else 'working tree'}) cannot build {args.method!r}: {err}") from None
         difference = _gradient_difference(built, device)
         for model, x, params in built.values():

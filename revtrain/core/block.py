@@ -413,6 +413,8 @@ def _couple_phases(
     h_f_value = _detached(h_f)
     with torch.no_grad():  # z1 as it is: no graph is built here, and a detach is one more op
         x1 = coupling.inverse(z1, h_f_value)
+    if x1.requires_grad:  # an inverse that returned z1 itself, or turned grad mode back on
+        x1 = x1.detach()
     del y1, z1  # G's graph is gone: nothing reads the output half any more
 
     # The rebuilt x2 as the layer below sees it: without F's graph (one detach, for both uses).

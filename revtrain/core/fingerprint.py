@@ -183,13 +183,17 @@ class _Plan(NamedTuple):
     """Too few rows for the norm estimate."""
     values: int
     """Values of ``W`` it produces."""
+    fold_batches: dict[int, Tensor]
+    """``(s_A ⊗ s_R)^T`` as a batch of ``m``, per ``m`` (:func:`projection_errors`): expanded views
+    of one contiguous copy of the transposed fold matrix (kept under ``0``), made on first use
+    and freed with the plan."""
 
     @classmethod
     def of(cls, x: Tensor, k: int) -> _Plan:
         a, r, length = _slab_shape(x, k)
         upcast = x.dtype in (torch.float16, torch.bfloat16)
         if not x.numel():
-            return cls((a, r, length), upcast, None, None, None, False, 0)
+            return cls((a, r, length), upcast, None, None, None, False, 0, {})
         u, u_t, s_a, s_r = _random_vectors(a, r, length, torch.float32 if upcast else x.dtype, x.device)
         if x.device.type not in _TRANSPOSED_DEVICES or x.numel() < _TRANSPOSED_MIN:
             # On small tensors the batched product is the faster of the two (inside a CPU step;
@@ -199,7 +203,7 @@ class _Plan(NamedTuple):
             fold: tuple[Tensor, ...] = (torch.einsum("ap,rq->arpq", s_a, s_r).reshape(a * r, _FOLD_A * _FOLD_R),)
         else:
             fold = (s_a, s_r)
-        return cls((a, r, length), upcast, u, u_t, fold, a * r < EXACT_NORM_ROWS, a * r * ROW_VECTORS)
+        return cls((a, r, length), upcast, u, u_t, fold, a * r < EXACT_NORM_ROWS, a * r * ROW_VECTORS, {})
 
 
 _plans: dict[tuple[int, torch.Size, torch.dtype, torch.device], _Plan] = {}
@@ -521,19 +525,17 @@ def transposed_projections(prints: Tensor) -> Tensor:
 
 
 def _batched_fold_t(plan: _Plan, m: int) -> Tensor:
-    """``(s_A ⊗ s_R)^T`` of a plan whose fold is one matrix, contiguous, as a batch of ``m``
-    (an expanded view, cached: one op per comparison fewer)."""
-    (fold,) = plan.fold  # type: ignore[misc]
-    key = (id(fold), m)
-    cached = _fold_batches.get(key)
-    if cached is None or cached[0] is not fold:
-        if len(_fold_batches) >= _MAX_CACHED:
-            _fold_batches.clear()
-        cached = _fold_batches[key] = (fold, fold.T.contiguous().expand(m, *fold.T.shape))
-    return cached[1]
-
-
-_fold_batches: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+    """``(s_A ⊗ s_R)^T`` of a plan whose fold is one matrix, as a batch of ``m``: an expanded view
+    of one contiguous copy of the transposed fold, both kept on the plan (one op per comparison
+    fewer; freed with the plan)."""
+    batch = plan.fold_batches.get(m)
+    if batch is None:
+        fold_t = plan.fold_batches.get(0)
+        if fold_t is None:  # one contiguous copy per plan (a transposed operand ran 1% slower)
+            (fold,) = plan.fold  # type: ignore[misc]
+            fold_t = plan.fold_batches[0] = fold.T.contiguous()
+        batch = plan.fold_batches[m] = fold_t.expand(m, *fold_t.shape)
+    return batch
 
 
 def _autocast_type(device_type: str) -> str:

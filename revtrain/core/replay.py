@@ -111,9 +111,9 @@ def _same_bytes(a: Tensor, b: Tensor) -> bool:
     16 channels, 8×8 (in-process paired rounds against ``preserve_rng_state=False``).
     """
     n = a.numel()
-    if n != b.numel():
+    if n != b.numel() or a.dtype != b.dtype:
         return False
-    if _memcmp is not None and a.is_contiguous() and b.is_contiguous():
+    if _memcmp is not None and a.is_cpu and b.is_cpu and a.is_contiguous() and b.is_contiguous():
         return _memcmp(a.data_ptr(), b.data_ptr(), n * a.element_size()) == 0
     return a.numpy().tobytes() == b.numpy().tobytes()
 

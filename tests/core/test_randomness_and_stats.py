@@ -143,3 +143,5 @@ def test_generator_states_compare_by_every_byte():
         doubled = torch.stack([a.cpu, changed], dim=1)
         assert _same_bytes(a.cpu, doubled[:, 0]) and not _same_bytes(a.cpu, doubled[:, 1])
     assert not _same_bytes(a.cpu, a.cpu[:-1])
+    # Same number of elements, another dtype: not the same state (and memcmp never reads past b).
+    assert not _same_bytes(a.cpu[:8], a.cpu[:64].view(torch.float64))

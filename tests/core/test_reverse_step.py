@@ -148,3 +148,41 @@ def test_verify_reports_a_layer_whose_inverse_is_wrong():
     model = _net(NotInvertible(4).eval())
     report = verify_invertible(model, torch.randn(2, 2, 3, 3, dtype=torch.float64), raise_on_failure=False)
     assert not report.ok and report.failures[0].name == "1"
+
+
+def test_the_rebuilt_input_is_detached_whatever_the_coupling_inverse_returns():
+    """The rebuild runs the coupling's inverse on backward's leaf for the output half without
+    detaching it first; an inverse that hands that tensor back (here: when ``h`` is all zero)
+    or builds a graph anyway must still leave a rebuilt input without a graph."""
+    from revtrain.core import Coupling
+
+    class Passthrough(Coupling):
+        name = "passthrough-when-zero"
+
+        def forward(self, x, h):
+            return x + h
+
+        def inverse(self, y, h):
+            return y if not h.any() else y - h
+
+    class GradInverse(Coupling):
+        name = "grad-inverse"
+
+        def forward(self, x, h):
+            return x + h
+
+        def inverse(self, y, h):
+            with torch.enable_grad():
+                return y - h
+
+    for coupling in (Passthrough(), GradInverse()):
+        torch.manual_seed(0)
+        zero = nn.Conv2d(2, 2, 3, padding=1, bias=False)
+        nn.init.zeros_(zero.weight)  # F(x2) = 0: the pass-through case
+        block = ReversibleBlock(zero, nn.Conv2d(2, 2, 3, padding=1, bias=False), coupling=coupling).double()
+        x = torch.randn(2, 4, 5, 5, dtype=torch.float64)
+        with torch.no_grad():
+            y = block(x)
+        x_rebuilt, dx = reverse_step(block, y, torch.ones_like(y))
+        assert not x_rebuilt.requires_grad and x_rebuilt.grad_fn is None, coupling.name
+        torch.testing.assert_close(x_rebuilt, x, rtol=F64_REL, atol=F64_REL)
