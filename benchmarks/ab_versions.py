@@ -14,6 +14,7 @@ Writes ``results/ab_versions_<shape>_<method>_<base>.md`` and ``.json``.
 
     python benchmarks/ab_versions.py --base 2b0f794 --shape 8x16x8x16 --rounds 600
     python benchmarks/ab_versions.py --base HEAD~3 --method M-nocheck --order nb
+    python benchmarks/ab_versions.py --base-dir .ab/base --device cuda --shape 32x64x32x16  # no git there
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import io
 import json
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,7 +53,10 @@ _IMPORTS = re.compile(r"^(\s*)(from|import) revtrain(?=[.\s]|$)", re.MULTILINE)
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="git revision to compare against (a hash, HEAD~1, a tag)")
+    base = parser.add_mutually_exclusive_group(required=True)
+    base.add_argument("--base", help="git revision to compare against (a hash, HEAD~1, a tag)")
+    base.add_argument("--base-dir", type=Path, help="a folder holding an exported revtrain/ (for a machine without "
+                      "the git history: git archive REV revtrain | tar -x -C DIR; echo REV > DIR/REVISION)")
     parser.add_argument("--shape", default="8x16x8x16", help="BATCHxCHANNELSxSIZExDEPTH")
     parser.add_argument("--method", default="M", help=f"one of revtrain's methods: {', '.join((*OURS, *EXTRA_METHODS))}")
     parser.add_argument("--rounds", type=int, default=600)
@@ -82,10 +87,26 @@ def export_base(revision: str, into: Path) -> str:
             tar.extractall(into)
     package = into / BASE_PACKAGE
     (into / "revtrain").rename(package)
-    for path in package.rglob("*.py"):
-        text = path.read_text()
-        path.write_text(_IMPORTS.sub(rf"\1\2 {BASE_PACKAGE}", text))
+    _rewrite_imports(package)
     return commit
+
+
+def copy_base(folder: Path, into: Path) -> str:
+    """Copy ``folder/revtrain`` into ``into`` as :data:`BASE_PACKAGE`; returns its label (the
+    revision in ``folder/REVISION``, else the folder's name)."""
+    source = folder / "revtrain"
+    if not (source / "__init__.py").is_file():
+        raise SystemExit(f"--base-dir {folder}: no revtrain/ package there (export one with "
+                         f"git archive REV revtrain | tar -x -C {folder})")
+    shutil.copytree(source, into / BASE_PACKAGE)
+    _rewrite_imports(into / BASE_PACKAGE)
+    revision = folder / "REVISION"
+    return revision.read_text().strip() if revision.is_file() else folder.resolve().name
+
+
+def _rewrite_imports(package: Path) -> None:
+    for path in package.rglob("*.py"):
+        path.write_text(_IMPORTS.sub(rf"\1\2 {BASE_PACKAGE}", path.read_text()))
 
 
 def build(stack_module, shape: tuple[int, int, int, int], method: str, device: torch.device):
@@ -114,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"--device: {e}") from None
     with tempfile.TemporaryDirectory(prefix="revtrain_ab_") as tmp:
-        commit = export_base(args.base, Path(tmp))
+        commit = export_base(args.base, Path(tmp)) if args.base else copy_base(args.base_dir, Path(tmp))
         for name in [m for m in sys.modules if m == BASE_PACKAGE or m.startswith(BASE_PACKAGE + ".")]:
             del sys.modules[name]  # an earlier call's export (another revision, a deleted folder)
         sys.path.insert(0, tmp)
         try:
             base_stack = importlib.import_module(f"{BASE_PACKAGE}.bench.stack")
         except Exception as err:  # an old revision may lack the stack benchmark or this method
-            raise SystemExit(f"--base {args.base!r} ({commit}): cannot import its stack benchmark: {err}") from None
+            raise SystemExit(f"base {commit}: cannot import its stack benchmark: {err}") from None
         finally:
             sys.path.remove(tmp)
         new_stack = sys.modules[stack_setup.__module__]

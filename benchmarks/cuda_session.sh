@@ -9,14 +9,17 @@
 # Parts: tests (the CUDA-only tests and the core's suite on CUDA), core (core_peers + core_stack
 # with the overlap), paired (many paired rounds at three shapes: small, the issue's, and one
 # large enough for the GPU to be the bottleneck, with the overlap), profile (ops, kernels and
-# syncs per step; the fingerprint products' device time), tf32 (core_stack with TF32 off), zoo, transformer, planner, compile.
+# syncs per step; the fingerprint products' device time), tf32 (core_stack with TF32 off), zoo, transformer, planner, compile,
+# ab (benchmarks/ab_versions.py: the working tree against an exported revision in $AB_BASE_DIR,
+# default .ab/base, prepared where git is: mkdir -p .ab/base && git archive REV revtrain | tar -x -C
+# .ab/base && echo REV > .ab/base/REVISION; .ab/ is git-ignored, so carry it to the GPU machine).
 # Results go to $OUT/cuda/ and, packed, to $OUT/cuda_results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 R="${OUT:-results}/cuda"
 mkdir -p "$R"
-parts="${*:-tests core paired profile tf32 zoo transformer planner compile}"
+parts="${*:-tests core paired profile tf32 zoo transformer planner compile ab}"
 want() { [[ " $parts " == *" $1 "* ]]; }
 say() { echo "=== $* ($(date -u +%H:%M:%S))"; }
 
@@ -51,6 +54,20 @@ if want paired; then
   say paired_rounds 256x256x32x8
   python3 benchmarks/paired_rounds.py --device cuda --shape 256x256x32x8 --rounds 60 \
     --methods plain C M M-nocheck M-overlap revlib revtorch --out "$R/paired_rounds_256x256x32x8_cuda"
+fi
+if want ab; then
+  base="${AB_BASE_DIR:-.ab/base}"
+  if [ -f "$base/revtrain/__init__.py" ]; then
+    for shape in 8x16x8x16 32x64x32x16; do
+      for order in bn nb; do
+        say ab_versions $shape $order
+        python3 benchmarks/ab_versions.py --base-dir "$base" --device cuda --shape $shape --rounds 200 \
+          --order $order --out "$R/ab_versions_${shape}_M_${order}_cuda"
+      done
+    done
+  else
+    echo "ab: no exported revtrain/ in $base; see the header of this script"
+  fi
 fi
 if want profile; then
   say step_profile

@@ -52,3 +52,30 @@ def test_an_unknown_method_is_named() -> None:
     script = load_benchmark("ab_versions")
     with pytest.raises(SystemExit, match="revlib"):
         script.main(["--base", "HEAD", "--method", "revlib"])
+
+
+@needs_git
+def test_an_exported_folder_serves_as_the_base(tmp_path: Path) -> None:
+    """What a GPU machine without the git history uses: ``--base-dir`` with a REVISION file."""
+    folder = tmp_path / "base"
+    folder.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD", "revtrain"],
+                             check=True, capture_output=True).stdout
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder)
+    (folder / "REVISION").write_text("head-for-test\n")
+    script = load_benchmark("ab_versions")
+    out = tmp_path / "ab"
+    assert script.main(["--base-dir", str(folder), "--shape", "2x4x4x1", "--rounds", "2", "--warmup", "0",
+                        "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["base"] == "head-for-test" and data["gradient_difference"] < 1e-5
+
+
+def test_a_folder_without_revtrain_is_named(tmp_path: Path) -> None:
+    script = load_benchmark("ab_versions")
+    with pytest.raises(SystemExit, match="no revtrain/ package"):
+        script.main(["--base-dir", str(tmp_path)])
