@@ -275,7 +275,7 @@ class _StatePlan(NamedTuple):
     """Per tensor."""
     device_type: str
     """The tensors' device type as autocast names it (autocast is switched off there around the
-    products, where it is on; where it is off, no context is entered: this runs per state)."""
+    products, where it is on)."""
     shared: _Plan | None
     """The one plan of every tensor, where they share one and are not empty: such states fold
     as one batch (:meth:`Fingerprints._fold`)."""
@@ -339,10 +339,7 @@ class Fingerprints:
         """Take the fingerprint of ``state`` (cut into rows by ``layout``, default its own);
         returns its index into :meth:`results`."""
         plan = _state_plan(state, layout_of(state) if layout is None else layout)
-        if torch.is_autocast_enabled(plan.device_type):
-            with torch.autocast(plan.device_type, enabled=False):  # the products in the tensors' precision
-                rows, exact = _products(state, plan)
-        else:
+        with _full_precision(plan.device_type):  # the products in the tensors' precision
             rows, exact = _products(state, plan)
         index = self._folded + len(self._pending)
         self._pending.append((plan, rows, exact))
@@ -480,10 +477,8 @@ def comparable_plan(state: Sequence[Tensor], layout: Layout, dtype: torch.dtype)
 def row_projections(state: Sequence[Tensor], plan: _Plan) -> list[Tensor]:
     """``W`` of each tensor of a state whose tensors share ``plan`` (the pass over the data,
     without the norms: a rebuilt state's fingerprint is compared by its projections)."""
-    if torch.is_autocast_enabled(_autocast_type(state[0].device.type)):
-        with _full_precision(state[0].device.type):
-            return [_row_projections(_slab(x, plan), plan) for x in state]
-    return [_row_projections(_slab(x, plan), plan) for x in state]
+    with _full_precision(state[0].device.type):
+        return [_row_projections(_slab(x, plan), plan) for x in state]
 
 
 def projection_errors(ws: list[Tensor], plan: _Plan, before_t: Tensor, out: Tensor) -> None:
@@ -502,18 +497,11 @@ def projection_errors(ws: list[Tensor], plan: _Plan, before_t: Tensor, out: Tens
     the fold's transposed batch cached per plan and group size and ``before_t`` a slice of a
     view taken once per run.
     """
-    if torch.is_autocast_enabled(_autocast_type(before_t.device.type)):
-        with _full_precision(before_t.device.type):
-            _projection_errors(ws, plan, before_t, out)
-    else:
-        _projection_errors(ws, plan, before_t, out)
-
-
-def _projection_errors(ws: list[Tensor], plan: _Plan, before_t: Tensor, out: Tensor) -> None:
     m = before_t.shape[0]
-    w = torch.stack(ws)  # (n * h, A, R, 2), contiguous whatever the products' strides
-    diff = torch.baddbmm(before_t, _batched_fold_t(plan, m), w.view(m, -1, ROW_VECTORS), beta=-1)
-    torch.linalg.vector_norm(diff.view(*out.shape, PROJECTIONS), dim=-1, dtype=out.dtype, out=out)
+    with _full_precision(before_t.device.type):
+        w = torch.stack(ws)  # (n * h, A, R, 2), contiguous whatever the products' strides
+        diff = torch.baddbmm(before_t, _batched_fold_t(plan, m), w.view(m, -1, ROW_VECTORS), beta=-1)
+        torch.linalg.vector_norm(diff.view(*out.shape, PROJECTIONS), dim=-1, dtype=out.dtype, out=out)
 
 
 def transposed_projections(prints: Tensor) -> Tensor:
@@ -544,11 +532,15 @@ def _autocast_type(device_type: str) -> str:
 
 
 def _full_precision(device_type: str) -> contextlib.AbstractContextManager:
-    """Autocast off (the check's products in the tensors' own precision), where it is on."""
+    """Autocast off (the check's products in the tensors' own precision), where it is on; else
+    one shared do-nothing context (this runs per state: nothing is built where autocast is off)."""
     device_type = _autocast_type(device_type)
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
+    return _NO_CONTEXT
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _fold_rows(ws: list[Tensor], fold: tuple[Tensor, ...]) -> Tensor:
