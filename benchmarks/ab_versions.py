@@ -41,7 +41,9 @@ sys.path.insert(0, str(ROOT))  # the working tree's revtrain, whatever is instal
 
 import revtrain  # noqa: E402
 from revtrain.bench import machine_info  # noqa: E402
-from revtrain.bench.stack import EXTRA_METHODS, OURS, _timed_step, parse_stack_shape, stack_setup  # noqa: E402
+from revtrain.bench.stack import (  # noqa: E402
+    EXTRA_METHODS, OURS, _gradients, _rel_err, _timed_step, parse_stack_shape, stack_setup,
+)
 from revtrain.device import resolve_device  # noqa: E402
 from revtrain.timing import median_interval  # noqa: E402
 
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 built[key] = build(versions[key], shape, args.method, device)
             except (KeyError, ValueError, AttributeError, TypeError) as err:  # an older stack benchmark
                 raise SystemExit(f"{key} ({commit if key == 'base' else 'working tree'}) cannot build {args.method!r}: {err}") from None
-        difference = _gradient_difference(built, device)
+        # The same weights and batch: a change meant to be faster must not change the gradients.
+        difference = _rel_err(*(_gradients(*built[key]) for key in ("new", "base")))
         for model, x, params in built.values():
             for _ in range(args.warmup):
                 _timed_step(model, x, params, device)
@@ -199,17 +202,6 @@ def main(argv: list[str] | None = None) -> int:
          "gradient_difference": difference, "ratio": ratio._asdict(), "times_s": times}, indent=2) + "\n")
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     return 0
-
-
-def _gradient_difference(built: dict, device: torch.device) -> float:
-    """Relative L2 difference of the two versions' parameter and input gradients after one step
-    (the same weights and batch: a change meant to be faster must not change them)."""
-    grads = {}
-    for key, (model, x, params) in built.items():
-        _timed_step(model, x, params, device)
-        grads[key] = torch.cat([g.detach().reshape(-1).double().cpu() for g in [*[p.grad for p in params], x.grad]])
-    base, new = grads["base"], grads["new"]
-    return float((new - base).norm() / base.norm().clamp_min(1e-300))
 
 
 if __name__ == "__main__":
