@@ -388,22 +388,20 @@ class Fingerprints:
     def _fold(self) -> None:
         if not self._pending:
             return
-        first = self._pending[0][0]
-        n = len(first.plans)
-        if (
-            first.shared is not None
-            and all(p is first for p, _, _ in self._pending)
-            and self._batches is not None
-            and (not self._batches or self._batches[0].shape[1] == n)
-        ):
-            # The usual case, one shape throughout: the states are rows of one batch.
-            ws = [w for _, rows, _ in self._pending for w in rows]
-            exact = [e for _, _, norms in self._pending for e in norms] if first.shared.exact_norm else None  # type: ignore[union-attr]
-            out = _fold_group(first.shared, ws, exact)  # type: ignore[arg-type]
-            self._batches.append(out.view(len(self._pending), n, -1))
+        pending = self._pending
+        first = pending[0][0]
+        if self._batches is not None and _batchable(first, [p for p, _, _ in pending], self._batches):
+            # The usual case: the states are rows of batches, one per stretch of states of one
+            # plan (one stretch throughout, or two where the first state's halves, cut by
+            # ``chunk`` from the input, have other strides and so other rows than the rest).
+            start = 0
+            for end in range(1, len(pending) + 1):
+                if end == len(pending) or pending[end][0] is not pending[start][0]:
+                    self._batches.append(_fold_stretch(pending[start:end]))
+                    start = end
         else:
             self._fold_mixed()
-        self._folded += len(self._pending)
+        self._folded += len(pending)
         self._pending, self._pending_values = [], 0
 
     def _fold_mixed(self) -> None:
@@ -432,6 +430,35 @@ class Fingerprints:
             count = len(plan.plans)
             self._done.append(_assemble(folded[start : start + count], device))
             start += count
+
+
+def _batchable(first: _StatePlan, plans: list[_StatePlan], batches: list[Tensor]) -> bool:
+    """Whether states of these plans fold into batches that :meth:`Fingerprints.stacked`
+    concatenates: each state's tensors share one plan, and every state has as many tensors, of
+    one dtype and device, as the batches so far."""
+    shared = first.shared
+    if shared is None:
+        return False
+    n, dtype, device = len(first.plans), shared.u.dtype, shared.u.device  # type: ignore[union-attr]
+    if batches and (batches[0].shape[1] != n or batches[0].dtype != dtype or batches[0].device != device):
+        return False
+    for plan in plans:
+        if plan is not first and (
+            plan.shared is None or len(plan.plans) != n
+            or plan.shared.u.dtype != dtype or plan.shared.u.device != device  # type: ignore[union-attr]
+        ):
+            return False
+    return True
+
+
+def _fold_stretch(pending: list[tuple[_StatePlan, list[Tensor | None], list[Tensor | None] | None]]) -> Tensor:
+    """``(states, n, 1 + PROJECTIONS)``: the fingerprints of consecutive states of one plan."""
+    plan = pending[0][0]
+    shared = plan.shared
+    ws = [w for _, rows, _ in pending for w in rows]
+    exact = [e for _, _, norms in pending for e in norms] if shared.exact_norm else None  # type: ignore[union-attr, misc]
+    out = _fold_group(shared, ws, exact)  # type: ignore[arg-type]
+    return out.view(len(pending), len(plan.plans), -1)
 
 
 def _fold_group(plan: _Plan, ws: list[Tensor], exact: list[Tensor] | None) -> Tensor:

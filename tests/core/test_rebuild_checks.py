@@ -182,6 +182,46 @@ def test_fingerprint_reads_views_without_copies_and_leaves_generators_alone(shap
     torch.testing.assert_close(prints, fingerprint(copies, layout), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(2, 8, 4, 4), (8, 16, 8, 8), (3, 6, 5)])
+def test_a_run_whose_first_state_is_cut_otherwise_folds_as_batches_with_the_same_values(shape, monkeypatch):
+    """The first state of a stack is two halves split off the input (strided), the rest are
+    fresh tensors: at small shapes their rows differ (other plans). The fold keeps them batches
+    (one per stretch of one plan), never the per-state path, and the fingerprints are the ones
+    taken state by state."""
+    from revtrain.core import fingerprint as fp
+
+    torch.manual_seed(0)
+    states = [tuple(torch.randn(shape).chunk(2, dim=1))]
+    states += [tuple(torch.randn(states[0][0].shape) for _ in range(2)) for _ in range(5)]
+    layouts = [layout_of(s) for s in states]
+    if len(shape) == 4 and shape[0] == 2:
+        assert layouts[0] != layouts[1]  # the case this is about: two plans in one run
+
+    def refuse(self):
+        raise AssertionError("folded state by state")
+
+    monkeypatch.setattr(fp.Fingerprints, "_fold_mixed", refuse)
+    taken = fp.Fingerprints()
+    indices = [taken.add(s, lay) for s, lay in zip(states, layouts)]
+    stacked = taken.stacked(indices)
+    one_by_one = torch.stack([fingerprint(s, lay) for s, lay in zip(states, layouts)])
+    torch.testing.assert_close(stacked, one_by_one, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(taken.stacked([4, 0, 2]), one_by_one[[4, 0, 2]], rtol=1e-6, atol=1e-6)
+
+
+def test_states_of_another_number_of_tensors_still_fold_state_by_state():
+    from revtrain.core import fingerprint as fp
+
+    torch.manual_seed(0)
+    states = [tuple(torch.randn(4, 3, 5) for _ in range(2)), (torch.randn(4, 3, 5),), tuple(torch.randn(4, 3, 5) for _ in range(2))]
+    taken = fp.Fingerprints()
+    for s in states:
+        taken.add(s)
+    got = taken.results()
+    for s, g in zip(states, got):
+        torch.testing.assert_close(g, fingerprint(s), rtol=1e-6, atol=1e-6)
+
+
 # -- non-finite values: the right culprit ----------------------------------------------------
 
 
