@@ -12,6 +12,7 @@ from revtrain.core import (
     reverse_step,
     reversible_blocks,
     set_modes,
+    set_rebuild_checks,
     verify_invertible,
 )
 from revtrain.models import create_model, list_models, model_info, register_model
@@ -47,6 +48,7 @@ __all__ = [
     "reverse_step",
     "RevtrainError",
     "set_modes",
+    "set_rebuild_checks",
     "solve_knapsack",
     "verify_invertible",
     "__version__",

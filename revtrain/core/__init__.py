@@ -19,7 +19,7 @@ from revtrain.core.coupling import (
 )
 from revtrain.core.fixed_point import FixedPointGrid
 from revtrain.core.invertible import MODES, Invertible, Mode, trainable_params
-from revtrain.core.modes import get_modes, reversible_blocks, set_modes, use_exact_couplings
+from revtrain.core.modes import get_modes, reversible_blocks, set_modes, set_rebuild_checks, use_exact_couplings
 from revtrain.core.sequence import ReversibleSequence
 from revtrain.core.step import ReversibleStep, StepResult, reverse_step
 from revtrain.core.verify import BlockCheck, VerificationReport, verify_invertible
@@ -46,6 +46,7 @@ __all__ = [
     "reverse_step",
     "reversible_blocks",
     "set_modes",
+    "set_rebuild_checks",
     "split_halves",
     "trainable_params",
     "use_exact_couplings",

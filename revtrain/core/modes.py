@@ -14,7 +14,7 @@ from revtrain.core.block import ReversibleBlock
 from revtrain.core.coupling import AdditiveCoupling, ExactAdditiveCoupling
 from revtrain.core.invertible import Invertible, Mode, normalize_mode
 
-__all__ = ["reversible_blocks", "set_modes", "get_modes", "use_exact_couplings"]
+__all__ = ["reversible_blocks", "set_modes", "get_modes", "use_exact_couplings", "set_rebuild_checks"]
 
 
 def reversible_blocks(model: nn.Module) -> list[tuple[str, Invertible]]:
@@ -53,6 +53,31 @@ def set_modes(model: nn.Module, modes: str | Mapping[str, str]) -> dict[str, Mod
     for name, mode in normalized.items():
         blocks[name].mode = mode
     return get_modes(model)
+
+
+def set_rebuild_checks(model: nn.Module, every: int) -> int:
+    """Check the M-mode rebuilds of every reversible layer of ``model`` on one forward in ``every``.
+
+    ``every=1`` checks every rebuild (the layers' default), ``every=k`` one forward in ``k``,
+    staggered over a run's layers so that each layer is checked every ``k`` steps (see
+    ``check_every`` of :class:`~revtrain.core.Invertible`), and ``every=0`` never: the check then
+    costs nothing, and a rebuild that drifts or turns non-finite goes unnoticed until the loss
+    shows it. The check is the cost that separates M-mode from revlib's unchecked rebuild: 14-16%
+    of an unchecked step at batch 8, 16 channels, 8×8 on a CPU (README, "Speed").
+
+    Returns the number of layers set. Raises ``ValueError`` for anything but an integer >= 0,
+    before changing anything.
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ValueError(
+            f"the rebuild check interval must be an integer >= 0 (1: check every M-mode step, k: one "
+            f"step in k, 0: never), got {every!r}"
+        )
+    layers = [layer for _, layer in reversible_blocks(model)]
+    for layer in layers:
+        layer.check_reconstruction = every > 0
+        layer.check_every = max(every, 1)
+    return len(layers)
 
 
 def use_exact_couplings(model: nn.Module, fraction_bits: int = 12) -> int:

@@ -23,6 +23,7 @@ from typing import Literal, TextIO
 
 import torch
 
+from revtrain.core import set_rebuild_checks
 from revtrain.device import float_dtype, resolve_device
 from revtrain.errors import RevtrainError
 from revtrain.planner.block_timing import TimingRule
@@ -88,6 +89,8 @@ class PlanConfig:
     """Seed of the model's weights and of the example batch."""
     verify: bool = True
     """Check first that every block rebuilds its input."""
+    check_every: int = 1
+    """Check M-mode rebuilds on one step in this many while measuring (0: never): plan with what training will use (revtrain train --check-every)."""
     threads: int | None = None
     """CPU threads for torch (default: torch's); 1 gives steadier timings on a shared machine."""
 
@@ -95,7 +98,8 @@ class PlanConfig:
         from revtrain.models import model_info
 
         spec = model_info(self.model).inputs  # an unknown model fails here, with close matches
-        for name, low in (("batch_size", 1), ("confirm", 0), ("repeats", 1), ("warmup", 1), ("refine", 0)):
+        for name, low in (("batch_size", 1), ("confirm", 0), ("repeats", 1), ("warmup", 1), ("refine", 0),
+                          ("check_every", 0)):
             _at_least(self, name, low)
         try:
             check_budget(self.budget)
@@ -152,6 +156,7 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
     # Built for the spec: an image model for its channels and classes, a token model for its
     # vocabulary and with the sequence length as its context.
     model = create_model_for(config.model, spec).to(dtype)
+    set_rebuild_checks(model, config.check_every)  # the check's cost is part of every M-mode profile
     batch = spec.example(config.batch_size, dev, seed=config.seed)
     shape = f"{spec.shape[0]} tokens" if spec.kind == "tokens" else "x".join(map(str, spec.shape))
     say(f"revtrain plan: {config.model}, batch {config.batch_size} x {shape}, {config.dtype} on {dev}")

@@ -92,6 +92,8 @@ class TrainConfig:
     """Memory budget (6GiB, 512MB, 50%): profile one batch, let the planner choose each block's mode."""
     plan: str | None = None
     """Path of a plan.json from `revtrain plan`: apply its per-block modes."""
+    check_every: int = 1
+    """Check M-mode rebuilds against the forward on one step in this many, staggered over the blocks (1: every step; 0: never, the fastest: a drifting rebuild then shows only in the loss)."""
 
     # --- machine
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -128,6 +130,7 @@ class TrainConfig:
         _at_least(self, "checkpoint_every", 0)
         _at_least(self, "log_every", 1)
         _at_least(self, "grad_angle_every", 0)
+        _at_least(self, "check_every", 0)
         if self.eval_batch_size is not None:
             _at_least(self, "eval_batch_size", 1)
         if self.max_steps_per_epoch is not None:

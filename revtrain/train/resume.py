@@ -61,7 +61,7 @@ _STRATEGY = ("mode", "budget", "plan")
 
 _ANNOUNCED = ("epochs", "max_steps_per_epoch", "lr", "momentum", "nesterov", "weight_decay", "warmup_epochs",
               "schedule", "milestones", "gamma", "divergence_factor", "mode", "budget", "plan", "device",
-              "amp", "eval_batch_size", "grad_clip")
+              "amp", "eval_batch_size", "grad_clip", "check_every")
 """Options whose change on resume is said out loud (the others only change outputs)."""
 
 

@@ -35,7 +35,7 @@ from typing import Any, TextIO
 import torch
 from tqdm.auto import tqdm
 
-from revtrain.core import get_modes
+from revtrain.core import get_modes, set_rebuild_checks
 from revtrain.data import build_dataloaders
 from revtrain.memory import format_bytes
 from revtrain.models import create_model
@@ -105,6 +105,7 @@ class Trainer:
         fit = fit_model_to_data(config.model, config.task, self.data_info, self.first_batch()[0])
         self.task, self.input_spec = fit.task, fit.spec
         self.model = create_model(config.model, **fit.overrides).to(self.device)
+        set_rebuild_checks(self.model, config.check_every)  # before planning: profiles see the check's cost
         self.compiled = compile_model(self.model) if config.compile else []
         self.grad_angles = self._grad_angle_monitor()
         self.optimizer = build_optimizer(self.model, lr=config.lr, momentum=config.momentum,
@@ -528,11 +529,19 @@ class Trainer:
             f"{info.name} ({info.train_size} train / {info.test_size} test, "
             f"{'x'.join(map(str, info.input_shape))}), {self.device}"
             f"{f', amp {self.config.amp}' if self.config.amp else ''}"
-            f"{f', compiled ({len(self.compiled)} modules)' if self.compiled else ''}; {self.config.epochs} epochs x "
+            f"{f', compiled ({len(self.compiled)} modules)' if self.compiled else ''}{self._check_note(modes)}; "
+            f"{self.config.epochs} epochs x "
             f"{self.steps_per_epoch} steps of {self.config.batch_size}; run folder {self.run_dir}"
         )
 
     # ------------------------------------------------------------------ helpers
+
+    def _check_note(self, modes: dict[str, str]) -> str:
+        """The rebuild check's policy in the header, where it is not the default (every step)."""
+        every = self.config.check_every
+        if every == 1 or not modes:
+            return ""
+        return ", rebuild check off" if every == 0 else f", rebuild check every {every} steps"
 
     def _autocast(self) -> AbstractContextManager[Any]:
         if self.config.amp is None:

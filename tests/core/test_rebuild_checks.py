@@ -326,6 +326,62 @@ def test_check_every_still_reports_a_drifting_rebuild_within_that_many_steps():
     assert raised == [True, False, False, True, False, False]
 
 
+def _drifting_model():
+    return nn.Sequential(
+        nn.Linear(8, 8),
+        ReversibleSequence([ReversibleBlock(_Drifting(), nn.Identity(), drift_action="raise") for _ in range(2)]),
+        ReversibleBlock(nn.Tanh(), nn.Tanh(), drift_action="raise"),
+    )
+
+
+@pytest.mark.parametrize("every,raised", [(1, [True] * 4), (3, [True, False, True, True]), (0, [False] * 4)])
+def test_set_rebuild_checks_sets_every_reversible_layer_and_zero_turns_the_check_off(every, raised):
+    """The two drifting blocks (a run of two) raise on a step that checks them; with ``every=3``
+    the first is checked at steps 0 and 3, the second (staggered) at step 2; with 0 nothing is
+    checked and the drift goes unnoticed."""
+    from revtrain.core import set_rebuild_checks
+
+    torch.manual_seed(0)
+    model = _drifting_model()
+    assert set_rebuild_checks(model, every) == 3
+    layers = [m for m in model.modules() if isinstance(m, ReversibleBlock)]
+    assert all(b.check_reconstruction == (every > 0) and b.check_every == max(every, 1) for b in layers)
+    got = []
+    for _ in range(4):
+        try:
+            model(torch.randn(2, 8)).sum().backward()
+            got.append(False)
+        except ReconstructionError:
+            got.append(True)
+    assert got == raised
+
+
+def test_set_rebuild_checks_leaves_gradients_unchanged():
+    from revtrain.core import set_rebuild_checks
+
+    grads = []
+    for every in (1, 3, 0):
+        torch.manual_seed(0)
+        model = make_stack(3).double()
+        set_rebuild_checks(model, every)
+        x = torch.randn(2, 8, 4, 4, dtype=torch.float64, requires_grad=True)
+        model(x).square().sum().backward()
+        grads.append([x.grad] + [p.grad for p in model.parameters()])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("every", [-1, 1.5, True, "2"])
+def test_set_rebuild_checks_refuses_anything_but_a_count_and_changes_nothing(every):
+    from revtrain.core import set_rebuild_checks
+
+    model = make_stack(2, check_every=3)
+    with pytest.raises(ValueError, match="integer >= 0"):
+        set_rebuild_checks(model, every)
+    assert all(b.check_every == 3 and b.check_reconstruction for b in model)
+
+
 def test_a_drift_message_on_cuda_names_tf32_when_it_is_allowed(monkeypatch):
     from types import SimpleNamespace
 

@@ -59,6 +59,24 @@ def test_plan_prints_the_report_and_writes_plan_and_figures(tiny_zoo, tmp_path, 
     assert at_8.planned and at_8.modes == plan.modes and at_8.predicted_step_time_s == plan.predicted_step_time_s
 
 
+def test_the_plan_measures_with_the_check_interval_asked(tiny_zoo, tmp_path, capsys, monkeypatch):
+    import revtrain.planner.command as command
+
+    seen = []
+
+    def recording_prepare(model, *args, **kwargs):
+        from revtrain.core import reversible_blocks
+
+        seen.extend((layer.check_reconstruction, layer.check_every) for _, layer in reversible_blocks(model))
+        raise SystemExit(0)  # what was measured is all this test needs
+
+    monkeypatch.setattr(command, "prepare", recording_prepare)
+    with pytest.raises(SystemExit):
+        run(capsys, "--model", "tiny", "--batch-size", "4", "--device", "cpu", "--check-every", "0",
+            "--out", str(tmp_path / "plan.json"), *FAST)
+    assert seen and set(seen) == {(False, 1)}
+
+
 def test_a_transformer_is_planned_and_swept_at_the_sequence_length_asked(tmp_path, capsys):
     # The model is built for the sequence length (context 8) and the vocabulary (64) asked; both
     # the plan and the sweep's figures cover its reversible Transformer blocks.
@@ -120,6 +138,7 @@ def test_a_budget_below_the_model_and_batch_is_refused_before_profiling(tiny_zoo
         (("--model", "tiny", "--sweep", "8:4"), "batch sizes"),
         (("--model", "tiny", "--t-e-precision", "0"), "precision"),
         (("--model", "tiny", "--threads", "0"), "threads"),
+        (("--model", "tiny", "--check-every", "-1"), "check_every"),
         (("--model", "no_such_model",), "unknown model"),
         (("--model", "revformer_tiny", "--input-shape", "3", "8", "8"), "must be 1 number(s): a sequence length"),
         (("--model", "resnext29_iabn", "--input-shape", "8"), "must be 3 number(s): sizes like 3 32 32"),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from revtrain.train import Trainer, load_checkpoint, resolve_run
+from revtrain.train import TrainConfig, Trainer, load_checkpoint, resolve_run
 
 from .conftest import TinyConfig, assert_same_training_state, interrupt_at, make_tiny_config
 
@@ -111,6 +111,21 @@ def test_resume_takes_saved_config_and_explicit_overrides(tiny_config: TinyConfi
     trainer = Trainer(run)
     trainer.fit()
     assert trainer.step == 6 and [h["epoch"] for h in trainer.history] == [0, 1]
+
+
+def test_a_new_check_interval_on_resume_is_said_and_a_run_saved_without_one_had_the_default(
+    tiny_config: TinyConfig,
+) -> None:
+    config = tiny_config("checks", epochs=1)
+    Trainer(config).fit()
+    ckpt = Path(config.run_dir) / "checkpoint.pt"
+    run = resolve_run({"resume": str(ckpt), "epochs": 2, "check_every": 0})
+    assert run.config.check_every == 0
+    assert any("check_every 1 -> 0" in note for note in run.notes)
+    # A run saved before the option existed reads as checking every step, so resuming it
+    # without the option announces no change.
+    older = {k: v for k, v in run.state["config"].items() if k != "check_every"}
+    assert TrainConfig.from_dict(older).check_every == 1
 
 
 def test_resume_auto_finds_the_run_folder_checkpoint(tiny_config: TinyConfig) -> None:

@@ -70,6 +70,26 @@ def test_mode_c_sets_every_block(tiny_config: TinyConfig) -> None:
     assert set(get_modes(trainer.model).values()) == {"C"} and len(get_modes(trainer.model)) == 7
 
 
+@pytest.mark.parametrize("every", [0, 4])
+def test_check_every_sets_every_reversible_layer_and_is_named_in_the_header(tiny_config: TinyConfig, every: int) -> None:
+    config = tiny_config(check_every=every, epochs=1, max_steps_per_epoch=2)
+    out = io.StringIO()
+    trainer = Trainer(config, out=out)
+    layers = [layer for _, layer in reversible_blocks(trainer.model)]
+    assert len(layers) == 7
+    assert all(layer.check_reconstruction == (every > 0) and layer.check_every == max(every, 1) for layer in layers)
+    trainer.fit()
+    note = "rebuild check off" if every == 0 else f"rebuild check every {every} steps"
+    assert note in out.getvalue().splitlines()[0]
+    assert json.loads(Path(config.run_dir, "config.json").read_text())["check_every"] == every
+
+
+def test_check_every_default_checks_every_step(tiny_config: TinyConfig) -> None:
+    trainer = Trainer(tiny_config())
+    assert all(layer.check_reconstruction and layer.check_every == 1 for _, layer in reversible_blocks(trainer.model))
+    assert "rebuild check" not in trainer._header()
+
+
 def _plan_for(model_name: str, c_blocks: int) -> Plan:
     names = [name for name, _ in reversible_blocks(create_model(model_name))]
     modes = {name: ("C" if i < c_blocks else "M") for i, name in enumerate(names)}
@@ -135,6 +155,7 @@ def test_cuda_device_without_cuda_is_refused(tiny_config: TinyConfig) -> None:
         ({"milestones": (0.8, 0.2)}, "milestones must be increasing"),
         ({"budget": "1GiB", "plan": "p.json"}, "either --budget .* or --plan"),
         ({"schedule": "linear"}, "schedule must be one of cosine, step"),
+        ({"check_every": -1}, "check_every must be an integer >= 0"),
     ],
 )
 def test_bad_config_values_are_named(tiny_config: TinyConfig, overrides: dict, message: str) -> None:
