@@ -1,0 +1,148 @@
+"""What the rebuild check costs a whole training step of a zoo model, and what checking less saves.
+
+One model in M-mode (the default recipe's RevNet-38 on digits-sized input unless told), whole SGD
+steps (forward, cross-entropy, backward, ``optimizer.step()``) with the check set by
+:func:`revtrain.core.set_rebuild_checks` (``revtrain train --check-every K``): on every step (1,
+the default), one step in each other interval given, and never (0). One step of each setting per
+round, the order rotating, and each setting's per-round ratio to checking every step as a median
+with a distribution-free 95% interval (``revtrain.timing.median_interval``). Gradients do not
+depend on the setting (a test: ``tests/core/test_rebuild_checks.py``). Writes
+``results/check_cost_<model>_<side>x<side>_b<batch>_<device>.md`` and ``.json``.
+
+    python benchmarks/check_cost.py                                  # RevNet-38, 8×8, batch 64
+    python benchmarks/check_cost.py --model revnet110 --side 32 --batch 128 --rounds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from revtrain.bench import machine_info
+from revtrain.core import set_modes, set_rebuild_checks
+from revtrain.device import resolve_device
+from revtrain.models import create_model, input_spec
+from revtrain.timing import median_interval
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="revnet38", help="a reversible image model of the zoo")
+    parser.add_argument("--side", type=int, default=8, help="image side: 8 (digits) or 32 (CIFAR)")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--every", type=int, nargs="+", default=[4, 0],
+                        help="check intervals compared with checking every step (0: never)")
+    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per setting")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... or auto")
+    parser.add_argument("--out", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def run(model_name: str, side: int, batch_size: int, settings: list[int], rounds: int, warmup: int,
+        device: torch.device) -> dict[int, list[float]]:
+    """Wall seconds of one SGD step per setting, ``rounds`` rounds of one step each."""
+    spec = input_spec(model_name, input_size=(3 if side == 32 else 1, side, side))
+    torch.manual_seed(0)
+    example = spec.example(batch_size)
+    x = (example[0] if isinstance(example, (tuple, list)) else example).to(device)
+    y = torch.randint(0, 10, (batch_size,), device=device)
+    model = create_model(model_name, in_channels=spec.shape[0], num_classes=10).to(device)
+    set_modes(model, "M")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def step(every: int) -> float:
+        set_rebuild_checks(model, every)
+        sync()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        sync()
+        return time.perf_counter() - start
+
+    for every in settings:
+        for _ in range(warmup):
+            step(every)
+    times: dict[int, list[float]] = {every: [] for every in settings}
+    for r in range(rounds):
+        k = r % len(settings)
+        for every in settings[k:] + settings[:k]:
+            times[every].append(step(every))
+    return times
+
+
+def _label(every: int) -> str:
+    return "never (0)" if every == 0 else "every step (1)" if every == 1 else f"one step in {every}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if any(e < 0 for e in args.every):
+        raise SystemExit("--every: intervals are integers >= 0 (0: never)")
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1")
+    try:
+        device = resolve_device(args.device)
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"--device: {e}") from None
+    settings = [1, *dict.fromkeys(e for e in args.every if e != 1)]
+    before = machine_info(device)
+    start = time.perf_counter()
+    times = run(args.model, args.side, args.batch, settings, args.rounds, args.warmup, device)
+    wall = time.perf_counter() - start
+    after = machine_info(device)
+    rows = []
+    for every in settings:
+        ratio = median_interval([a / b for a, b in zip(times[every], times[1])]) if every != 1 else None
+        rows.append({"every": every, "median_ms": statistics.median(times[every]) * 1e3,
+                     "ratio": ratio._asdict() if ratio is not None else None})
+    command = (shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None
+               else shlex.join(["python", "benchmarks/check_cost.py", *argv]))
+    coverage = median_interval([0.0] * args.rounds).coverage
+    lines = [
+        f"# The rebuild check's cost: {args.model}, {args.side}×{args.side}, batch {args.batch}, M-mode",
+        "",
+        "Whole SGD steps; one step of each setting per round (order rotating); per-round ratio to checking "
+        f"every step: median [interval], the interval holding the true median with probability {coverage:.1%}.",
+        "",
+        f"- command: `{command}`",
+        f"- device: {before['device']} ({before.get('gpu', before.get('cpu', ''))}), torch {before['torch']}, "
+        f"{before['torch_threads']} threads",
+        f"- date: {before['date']}; {args.rounds} rounds, wall {wall:.0f} s; load average before "
+        f"{before['load_average']}, after {after['load_average']}",
+        "",
+        "| rebuild check | median step | / every step |",
+        "|:---|---:|---|",
+    ]
+    for row in rows:
+        r = row["ratio"]
+        cell = "–" if r is None else f"{r['median']:.3f} [{r['low']:.3f}, {r['high']:.3f}]"
+        lines.append(f"| {_label(row['every'])} | {row['median_ms']:.1f} ms | {cell} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    name = f"check_cost_{args.model}_{args.side}x{args.side}_b{args.batch}_{device.type}"
+    out = args.out if args.out is not None else ROOT / "results" / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "machine": before, "machine_after": after, "wall_s": wall, "model": args.model,
+         "side": args.side, "batch": args.batch, "rounds": args.rounds, "rows": rows,
+         "times_s": {str(k): v for k, v in times.items()}}, indent=2) + "\n")
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
