@@ -48,6 +48,7 @@ PETRA_UNSUPPORTED = {
     "memory_report": "PETRA reports each stage's memory in summary.json",
     "divergence_factor": "PETRA has no divergence bound",
     "grad_angle_every": "PETRA's rebuilds use moved parameters by design; --track-reconstruction reports their drift",
+    "check_every": "PETRA's rebuilds use moved parameters by design; --track-reconstruction reports their drift",
 }
 """``revtrain train`` options a ``--stages`` run refuses, and why."""
 

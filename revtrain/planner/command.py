@@ -89,8 +89,8 @@ class PlanConfig:
     """Seed of the model's weights and of the example batch."""
     verify: bool = True
     """Check first that every block rebuilds its input."""
-    check_every: int = 1
-    """Check M-mode rebuilds on one step in this many while measuring (0: never): plan with what training will use (revtrain train --check-every)."""
+    check_every: int | None = None
+    """Check M-mode rebuilds on one step in this many while measuring (0: never; default: as the model's layers were built): plan with what training will use (revtrain train --check-every)."""
     threads: int | None = None
     """CPU threads for torch (default: torch's); 1 gives steadier timings on a shared machine."""
 
@@ -98,8 +98,7 @@ class PlanConfig:
         from revtrain.models import model_info
 
         spec = model_info(self.model).inputs  # an unknown model fails here, with close matches
-        for name, low in (("batch_size", 1), ("confirm", 0), ("repeats", 1), ("warmup", 1), ("refine", 0),
-                          ("check_every", 0)):
+        for name, low in (("batch_size", 1), ("confirm", 0), ("repeats", 1), ("warmup", 1), ("refine", 0)):
             _at_least(self, name, low)
         try:
             check_budget(self.budget)
@@ -127,6 +126,8 @@ class PlanConfig:
             _at_least(self, "max_repeats", self.repeats)
         if self.threads is not None:
             _at_least(self, "threads", 1)
+        if self.check_every is not None:
+            _at_least(self, "check_every", 0)
 
     def timing_rule(self) -> TimingRule:
         """How each block's ``t_e`` is timed."""
@@ -156,7 +157,8 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
     # Built for the spec: an image model for its channels and classes, a token model for its
     # vocabulary and with the sequence length as its context.
     model = create_model_for(config.model, spec).to(dtype)
-    set_rebuild_checks(model, config.check_every)  # the check's cost is part of every M-mode profile
+    if config.check_every is not None:  # the check's cost is part of every M-mode profile
+        set_rebuild_checks(model, config.check_every)
     batch = spec.example(config.batch_size, dev, seed=config.seed)
     shape = f"{spec.shape[0]} tokens" if spec.kind == "tokens" else "x".join(map(str, spec.shape))
     say(f"revtrain plan: {config.model}, batch {config.batch_size} x {shape}, {config.dtype} on {dev}")

@@ -92,8 +92,8 @@ class TrainConfig:
     """Memory budget (6GiB, 512MB, 50%): profile one batch, let the planner choose each block's mode."""
     plan: str | None = None
     """Path of a plan.json from `revtrain plan`: apply its per-block modes."""
-    check_every: int = 1
-    """Check M-mode rebuilds against the forward on one step in this many, staggered over the blocks (1: every step; 0: never, the fastest: a drifting rebuild then shows only in the loss)."""
+    check_every: int | None = None
+    """Check M-mode rebuilds against the forward on one step in this many (1: every step; 0: never, the fastest: a drifting rebuild then shows only in the loss); default: as the model's layers were built (the zoo's: every step)."""
 
     # --- machine
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -130,13 +130,14 @@ class TrainConfig:
         _at_least(self, "checkpoint_every", 0)
         _at_least(self, "log_every", 1)
         _at_least(self, "grad_angle_every", 0)
-        _at_least(self, "check_every", 0)
         if self.eval_batch_size is not None:
             _at_least(self, "eval_batch_size", 1)
         if self.max_steps_per_epoch is not None:
             _at_least(self, "max_steps_per_epoch", 1)
         if self.threads is not None:
             _at_least(self, "threads", 1)
+        if self.check_every is not None:
+            _at_least(self, "check_every", 0)
         if self.image_size is not None:
             _at_least(self, "image_size", 1)
         if self.context is not None:

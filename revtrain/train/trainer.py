@@ -105,7 +105,8 @@ class Trainer:
         fit = fit_model_to_data(config.model, config.task, self.data_info, self.first_batch()[0])
         self.task, self.input_spec = fit.task, fit.spec
         self.model = create_model(config.model, **fit.overrides).to(self.device)
-        set_rebuild_checks(self.model, config.check_every)  # before planning: profiles see the check's cost
+        if config.check_every is not None:  # before planning: profiles see the check's cost
+            set_rebuild_checks(self.model, config.check_every)
         self.compiled = compile_model(self.model) if config.compile else []
         self.grad_angles = self._grad_angle_monitor()
         self.optimizer = build_optimizer(self.model, lr=config.lr, momentum=config.momentum,
@@ -537,9 +538,10 @@ class Trainer:
     # ------------------------------------------------------------------ helpers
 
     def _check_note(self, modes: dict[str, str]) -> str:
-        """The rebuild check's policy in the header, where it is not the default (every step)."""
+        """The rebuild check's policy in the header, where one was asked for other than every step
+        and some block is in M-mode (C-mode blocks rebuild nothing)."""
         every = self.config.check_every
-        if every == 1 or not modes:
+        if every is None or every == 1 or "M" not in modes.values():
             return ""
         return ", rebuild check off" if every == 0 else f", rebuild check every {every} steps"
 

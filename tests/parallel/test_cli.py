@@ -90,6 +90,7 @@ def test_data_parallel_and_sharded_runs_equal_one_process_and_resume_anywhere(tm
         (["--stages", "2", "--accumulation", "0"], "accumulation (k) must be an integer >= 1"),
         (["--stages", "2", "--backend", "nccl"], "nccl"),
         (["--stages", "2", "--optimizer", "adamw"], "--optimizer: PETRA uses SGD"),
+        (["--stages", "2", "--check-every", "4"], "--check-every: PETRA's rebuilds use moved parameters"),
         (["--stages", "2", "--data-parallel", "2"], "not supported yet"),
         (["--accumulation", "2"], "add --stages J"),
         (["--shard"], "add --data-parallel N"),

@@ -113,7 +113,7 @@ def test_resume_takes_saved_config_and_explicit_overrides(tiny_config: TinyConfi
     assert trainer.step == 6 and [h["epoch"] for h in trainer.history] == [0, 1]
 
 
-def test_a_new_check_interval_on_resume_is_said_and_a_run_saved_without_one_had_the_default(
+def test_a_new_check_interval_on_resume_is_said_and_a_run_saved_without_one_leaves_the_layers_as_built(
     tiny_config: TinyConfig,
 ) -> None:
     config = tiny_config("checks", epochs=1)
@@ -121,11 +121,11 @@ def test_a_new_check_interval_on_resume_is_said_and_a_run_saved_without_one_had_
     ckpt = Path(config.run_dir) / "checkpoint.pt"
     run = resolve_run({"resume": str(ckpt), "epochs": 2, "check_every": 0})
     assert run.config.check_every == 0
-    assert any("check_every 1 -> 0" in note for note in run.notes)
-    # A run saved before the option existed reads as checking every step, so resuming it
-    # without the option announces no change.
+    assert any("check_every None -> 0" in note for note in run.notes)
+    # A run saved before the option existed reads as leaving the layers as built (None), so
+    # resuming it without the option announces no change.
     older = {k: v for k, v in run.state["config"].items() if k != "check_every"}
-    assert TrainConfig.from_dict(older).check_every == 1
+    assert TrainConfig.from_dict(older).check_every is None
 
 
 def test_resume_auto_finds_the_run_folder_checkpoint(tiny_config: TinyConfig) -> None:

@@ -84,10 +84,29 @@ def test_check_every_sets_every_reversible_layer_and_is_named_in_the_header(tiny
     assert json.loads(Path(config.run_dir, "config.json").read_text())["check_every"] == every
 
 
-def test_check_every_default_checks_every_step(tiny_config: TinyConfig) -> None:
+def test_without_check_every_the_layers_keep_the_checks_they_were_built_with(
+    tiny_config: TinyConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose author built its blocks with their own check settings keeps them unless
+    --check-every is given (the zoo's blocks check every step)."""
+    import revtrain.train.trainer as trainer_module
+
+    def built_with_own_checks(name: str, **kwargs):
+        model = create_model(name, **kwargs)
+        for _, layer in reversible_blocks(model):
+            layer.check_every = 8
+        return model
+
+    monkeypatch.setattr(trainer_module, "create_model", built_with_own_checks)
     trainer = Trainer(tiny_config())
-    assert all(layer.check_reconstruction and layer.check_every == 1 for _, layer in reversible_blocks(trainer.model))
+    assert all(layer.check_reconstruction and layer.check_every == 8 for _, layer in reversible_blocks(trainer.model))
     assert "rebuild check" not in trainer._header()
+    trainer = Trainer(tiny_config("asked", check_every=2))
+    assert all(layer.check_every == 2 for _, layer in reversible_blocks(trainer.model))
+
+
+def test_the_header_names_no_check_where_every_block_is_in_c_mode(tiny_config: TinyConfig) -> None:
+    assert "rebuild check" not in Trainer(tiny_config(mode="C", check_every=0))._header()
 
 
 def _plan_for(model_name: str, c_blocks: int) -> Plan:
