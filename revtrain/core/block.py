@@ -105,8 +105,8 @@ class ReversibleBlock(Invertible):
             ``drift_action="raise"``.
         drift_tolerance: Relative rebuild error allowed by that check.
         drift_action: ``"warn"`` or ``"raise"``.
-        check_every: Check on one M-mode forward in this many, staggered over the blocks of a
-            run (see :class:`~revtrain.core.Invertible`); 1 checks every rebuild.
+        check_every: Check on one M-mode forward in this many (see
+            :class:`~revtrain.core.Invertible`); 1 checks every rebuild.
 
     Call it on one tensor (split in halves along ``split_dim``, output concatenated) or on a
     pair ``block((x1, x2)) -> (y1, y2)``. Further arguments go to ``F`` and ``G``:

@@ -390,15 +390,19 @@ class Fingerprints:
             return
         pending = self._pending
         first = pending[0][0]
-        if self._batches is not None and _batchable(first, [p for p, _, _ in pending], self._batches):
-            # The usual case: the states are rows of batches, one per stretch of states of one
-            # plan (one stretch throughout, or two where the first state's halves, cut by
-            # ``chunk`` from the input, have other strides and so other rows than the rest).
+        # Where the plan changes: the usual run has one plan throughout, or two where the first
+        # state's halves, cut by ``chunk`` from the input, have other strides and so other rows.
+        ends = [k for k in range(1, len(pending)) if pending[k][0] is not pending[k - 1][0]] + [len(pending)]
+        if (
+            self._batches is not None
+            and len(ends) <= _MAX_STRETCHES
+            and _batchable(first, [p for p, _, _ in pending], self._batches)
+        ):
+            # The states are rows of batches, one per stretch of states of one plan.
             start = 0
-            for end in range(1, len(pending) + 1):
-                if end == len(pending) or pending[end][0] is not pending[start][0]:
-                    self._batches.append(_fold_stretch(pending[start:end]))
-                    start = end
+            for end in ends:
+                self._batches.append(_fold_stretch(pending[start:end]))
+                start = end
         else:
             self._fold_mixed()
         self._folded += len(pending)
@@ -430,6 +434,11 @@ class Fingerprints:
             count = len(plan.plans)
             self._done.append(_assemble(folded[start : start + count], device))
             start += count
+
+
+_MAX_STRETCHES = 3
+"""Stretches of one plan folded as batches at most; states whose plans change more often (no run
+of a stack seen so far) fold once per plan instead (:meth:`Fingerprints._fold_mixed`)."""
 
 
 def _batchable(first: _StatePlan, plans: list[_StatePlan], batches: list[Tensor]) -> bool:
@@ -602,8 +611,8 @@ def take_rows(t: Tensor, rows: Sequence[int]) -> Tensor:
     copy (a ``cudaStreamSynchronize`` mid-step: two per M-mode step on an H100 before this, in
     ``results/step_profile_*_cuda.md``). Rows in order, one after the other, are a view; the
     same in reverse order a flipped copy; others on a GPU an ``index_select`` with an index
-    tensor kept on the device per pattern (:data:`_MAX_CACHED` of them: a staggered
-    ``check_every`` repeats a few).
+    tensor kept on the device per pattern (:data:`_MAX_CACHED` of them: runs whose layers
+    check on different steps repeat a few).
     """
     n = len(rows)
     if n:

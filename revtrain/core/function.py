@@ -102,7 +102,7 @@ class _ReversibleRun(torch.autograd.Function):
         layers = run.layers
         records: list[Any] = []
         layouts: list[Any] = []
-        due = [_check_due(layer, i) for i, layer in enumerate(layers)]
+        due = [_check_due(layer) for layer in layers]
         taken = Fingerprints()
         inputs: list[int | None] = []  # where each layer's input fingerprint is in `taken`
         output_prints: dict[int, int] = {}
@@ -246,8 +246,12 @@ def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return a if b is None else a + b
 
 
-def _check_due(layer: ReversibleStep, i: int) -> bool:
-    """Whether layer ``i`` of a run checks its rebuild in this forward (see ``check_every``)."""
+def _check_due(layer: ReversibleStep) -> bool:
+    """Whether ``layer`` checks its rebuild in this forward: on every ``check_every``-th call,
+    counted per layer, so the layers of a model called once per step check on the same steps.
+    (Staggering them, layer ``i`` of a run on ``(calls + i) % k``, checked a few layers on most
+    steps, and most of the check's cost is per run, not per layer: checking one of RevNet-38's
+    seven blocks cost 5% of a step, all seven 8%.)"""
     if not layer.check_reconstruction:
         return False
     every = getattr(layer, "check_every", 1)
@@ -256,7 +260,7 @@ def _check_due(layer: ReversibleStep, i: int) -> bool:
     holder = owner_module(layer) or layer  # the inverse of a block counts on the block
     calls = holder.__dict__.get("_check_calls", 0)
     holder.__dict__["_check_calls"] = calls + 1
-    return (calls + i) % every == 0
+    return calls % every == 0
 
 
 def _where(layer: ReversibleStep, i: int, n: int) -> str:

@@ -108,12 +108,12 @@ class Invertible(nn.Module, abc.ABC):
             ``drift_tolerance`` warns, or raises when ``drift_action="raise"``.
         drift_tolerance: Relative rebuild error allowed by that check.
         drift_action: ``"warn"`` or ``"raise"``.
-        check_every: Check the rebuild on one M-mode forward in this many (1: every one). In a
-            run of layers, layer ``i`` checks when ``(calls + i) % check_every == 0``, so each
-            step checks a different ``1/check_every`` of the layers and every layer is checked
-            every ``check_every`` steps: the check's cost (one extra read of each input and
-            rebuild, see docs/core.md) divided by ``check_every``, a persistent drift reported
-            within ``check_every`` steps.
+        check_every: Check the rebuild on one M-mode forward in this many (1: every one),
+            counted per layer: the layers of a model called once per step all check on the same
+            steps (most of the check's cost is per run of layers, so checking a few layers on
+            every step would save little). The check's cost (one extra read of each input and
+            rebuild, see docs/core.md) is divided by ``check_every``; a persistent drift is
+            reported within ``check_every`` steps.
     """
 
     def __init__(

@@ -209,6 +209,26 @@ def test_a_run_whose_first_state_is_cut_otherwise_folds_as_batches_with_the_same
     torch.testing.assert_close(taken.stacked([4, 0, 2]), one_by_one[[4, 0, 2]], rtol=1e-6, atol=1e-6)
 
 
+def test_states_whose_plans_alternate_fold_once_per_plan(monkeypatch):
+    """A B A B ...: one batch per stretch would be one fold per state; past a few stretches the
+    states fold once per plan instead, with the same values."""
+    from revtrain.core import fingerprint as fp
+
+    torch.manual_seed(0)
+    shapes = [(4, 3, 5), (2, 6, 5)] * 3
+    states = [tuple(torch.randn(sh) for _ in range(2)) for sh in shapes]
+    folds = []
+    original = fp._fold_group
+    monkeypatch.setattr(fp, "_fold_group", lambda *a: folds.append(1) or original(*a))
+    taken = fp.Fingerprints()
+    for s in states:
+        taken.add(s)
+    got = taken.results()
+    assert len(folds) == 2
+    for s, g in zip(states, got):
+        torch.testing.assert_close(g, fingerprint(s), rtol=1e-6, atol=1e-6)
+
+
 def test_states_of_another_number_of_tensors_still_fold_state_by_state():
     from revtrain.core import fingerprint as fp
 
@@ -267,9 +287,10 @@ def test_rebuilt_contiguous_halves_compare_with_strided_originals(split_dim, sha
         seq(torch.randn(shape, requires_grad=True)).square().sum().backward()
 
 
-def test_check_every_samples_the_layers_staggered_and_covers_each_in_turn(monkeypatch):
-    """``check_every=2``: each step fingerprints half of a run's blocks (forward and rebuild),
-    alternating, so two steps check every block once."""
+def test_check_every_checks_all_layers_on_one_step_in_k(monkeypatch):
+    """``check_every=2``: the first step fingerprints every block of the run (forward and
+    rebuild), the second none: the layers count their calls alike, so they check together and
+    the check's per-run cost is paid on one step in two only."""
     from revtrain.core.checks import RunCheck
     from revtrain.core.fingerprint import Fingerprints
 
@@ -294,9 +315,8 @@ def test_check_every_samples_the_layers_staggered_and_covers_each_in_turn(monkey
         model(torch.randn(2, 8, 4, 4)).square().sum().backward()
         checked.append((sum(seen), len(seen)))
         assert [b.__dict__["_check_calls"] for b in model] == [len(checked)] * 4
-    # 2 blocks x (forward input + rebuilt input) per step, and the output scale of each checked
-    # block (its output is not the input of a checked block).
-    assert checked == [(4, 6), (4, 6)]
+    # 4 blocks x (forward input + rebuilt input), and the run's output scale, on the first step.
+    assert checked == [(8, 9), (0, 0)]
     with pytest.raises(ValueError, match="check_every"):
         make_stack(1, check_every=0)
 
@@ -334,11 +354,11 @@ def _drifting_model():
     )
 
 
-@pytest.mark.parametrize("every,raised", [(1, [True] * 4), (3, [True, False, True, True]), (0, [False] * 4)])
+@pytest.mark.parametrize("every,raised", [(1, [True] * 4), (3, [True, False, False, True]), (0, [False] * 4)])
 def test_set_rebuild_checks_sets_every_reversible_layer_and_zero_turns_the_check_off(every, raised):
     """The two drifting blocks (a run of two) raise on a step that checks them; with ``every=3``
-    the first is checked at steps 0 and 3, the second (staggered) at step 2; with 0 nothing is
-    checked and the drift goes unnoticed."""
+    every layer is checked at steps 0 and 3; with 0 nothing is checked and the drift goes
+    unnoticed."""
     from revtrain.core import set_rebuild_checks
 
     torch.manual_seed(0)
@@ -370,6 +390,14 @@ def test_set_rebuild_checks_leaves_gradients_unchanged():
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_set_rebuild_checks_takes_numpy_integers():
+    from revtrain.core import set_rebuild_checks
+
+    model = make_stack(2)
+    assert set_rebuild_checks(model, np.int64(4)) == 2
+    assert all(b.check_every == 4 and type(b.check_every) is int for b in model)
 
 
 @pytest.mark.parametrize("every", [-1, 1.5, True, "2"])
@@ -685,7 +713,9 @@ def test_take_rows_refuses_rows_out_of_range_as_indexing_does(rows, device):
 @pytest.mark.parametrize("check_every", [1, 2])
 def test_an_m_mode_step_on_cuda_syncs_with_the_host_only_to_read_its_verdicts(check_every):
     """Indexing a GPU tensor with a Python list waits for the device; the check's only wait is
-    the one copy of the run's verdicts to the host (once the staggered patterns are cached)."""
+    the one copy of the run's verdicts to the host, on a step that checks (with ``check_every=2``
+    every other step checks, the first after the warm-up's even count; the other step waits for
+    nothing)."""
     torch.manual_seed(0)
     model = make_stack(4, check_every=check_every).cuda()
     x = torch.randn(2, 8, 4, 4, device="cuda", requires_grad=True)
@@ -705,7 +735,7 @@ def test_an_m_mode_step_on_cuda_syncs_with_the_host_only_to_read_its_verdicts(ch
         # Only the warnings of synchronising ops (set_sync_debug_mode's first call also warns
         # that the mode is a prototype).
         counts.append(sum("called a synchronizing CUDA operation" in str(w.message) for w in caught))
-    assert counts == [1] * check_every, counts
+    assert counts == [1] + [0] * (check_every - 1), counts
 
 
 def test_a_non_finite_rebuild_raises_before_the_run_hands_back_its_gradients():
