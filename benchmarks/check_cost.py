@@ -2,11 +2,15 @@
 
 One model in M-mode (the default recipe's RevNet-38 on digits-sized input unless told), whole SGD
 steps (forward, cross-entropy, backward, ``optimizer.step()``) with the check set by
-:func:`revtrain.core.set_rebuild_checks` (``revtrain train --check-every K``): on every step (1,
-the default), one step in each other interval given, and never (0). One step of each setting per
-round, the order rotating, and each setting's per-round ratio to checking every step as a median
-with a distribution-free 95% interval (``revtrain.timing.median_interval``). Gradients do not
-depend on the setting (a test: ``tests/core/test_rebuild_checks.py``). Writes
+:func:`revtrain.core.set_rebuild_checks` (``revtrain train --check-every K``): on every step (1),
+one step in each other interval given, and never (0). Each setting trains its own copy of the
+model (the same initial weights), so each keeps its own count of steps. One step of each setting
+per round, the order rotating. A setting that checks one step in ``K`` has cheap and dear steps,
+so rounds are grouped in blocks of the least common multiple of the intervals, and each block's
+total time per setting is divided by that of checking every step: the ratio of mean step times,
+what training throughput sees, as a median over blocks with a distribution-free 95% interval
+(``revtrain.timing.median_interval``). Gradients do not depend on the setting (a test:
+``tests/core/test_rebuild_checks.py``). Writes
 ``results/check_cost_<model>_<side>x<side>_b<batch>_<device>.md`` and ``.json``.
 
     python benchmarks/check_cost.py                                  # RevNet-38, 8×8, batch 64
@@ -16,7 +20,9 @@ depend on the setting (a test: ``tests/core/test_rebuild_checks.py``). Writes
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import math
 import shlex
 import statistics
 import sys
@@ -30,7 +36,7 @@ from revtrain.bench import machine_info
 from revtrain.core import set_modes, set_rebuild_checks
 from revtrain.device import resolve_device
 from revtrain.models import create_model, input_spec
-from revtrain.timing import median_interval
+from revtrain.timing import block_ratios, median_interval
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,37 +55,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(model_name: str, side: int, batch_size: int, settings: list[int], rounds: int, warmup: int,
-        device: torch.device) -> dict[int, list[float]]:
-    """Wall seconds of one SGD step per setting, ``rounds`` rounds of one step each."""
-    spec = input_spec(model_name, input_size=(3 if side == 32 else 1, side, side))
+def _model_and_batch(model_name: str, side: int, batch_size: int, device: torch.device):
+    """The M-mode model and one batch; refuses models without reversible layers or image inputs."""
+    from revtrain.core import reversible_blocks
+    from revtrain.models import model_info
+
+    try:
+        spec = model_info(model_name).inputs
+    except (KeyError, ValueError) as e:
+        raise SystemExit(f"--model: {e}") from None
+    if spec.kind != "image":
+        raise SystemExit(f"--model: {model_name} takes {spec.kind}; this benchmark feeds images (a RevNet)")
+    spec = input_spec(model_name, input_size=(spec.shape[0], side, side))
     torch.manual_seed(0)
     example = spec.example(batch_size)
     x = (example[0] if isinstance(example, (tuple, list)) else example).to(device)
     y = torch.randint(0, 10, (batch_size,), device=device)
     model = create_model(model_name, in_channels=spec.shape[0], num_classes=10).to(device)
+    if not reversible_blocks(model):
+        raise SystemExit(f"--model: {model_name} has no reversible layers, so nothing is rebuilt or checked")
     set_modes(model, "M")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, x, y
+
+
+def run(model_name: str, side: int, batch_size: int, settings: list[int], rounds: int, warmup: int,
+        device: torch.device) -> dict[int, list[float]]:
+    """Wall seconds of one SGD step per setting, ``rounds`` rounds of one step each."""
+    base, x, y = _model_and_batch(model_name, side, batch_size, device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def step(every: int) -> float:
+    steps = {}
+    for every in settings:
+        model = copy.deepcopy(base)
         set_rebuild_checks(model, every)
-        sync()
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        sync()
-        return time.perf_counter() - start
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
+        def step(model=model, optimizer=optimizer) -> float:
+            sync()
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            sync()
+            return time.perf_counter() - start
+
+        steps[every] = step
     for every in settings:
         for _ in range(warmup):
-            step(every)
+            steps[every]()
     times: dict[int, list[float]] = {every: [] for every in settings}
     for r in range(rounds):
         k = r % len(settings)
         for every in settings[k:] + settings[:k]:
-            times[every].append(step(every))
+            times[every].append(steps[every]())
     return times
 
 
@@ -97,7 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
     except (ValueError, RuntimeError) as e:
         raise SystemExit(f"--device: {e}") from None
+    if args.batch < 1 or args.side < 1:
+        raise SystemExit("--batch and --side must be at least 1")
     settings = [1, *dict.fromkeys(e for e in args.every if e != 1)]
+    block = math.lcm(*[e for e in settings if e > 0])
+    if args.rounds < 2 * block:
+        raise SystemExit(f"--rounds must be at least {2 * block}: two blocks of {block} rounds (the intervals' "
+                         "least common multiple)")
     before = machine_info(device)
     start = time.perf_counter()
     times = run(args.model, args.side, args.batch, settings, args.rounds, args.warmup, device)
@@ -105,17 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     after = machine_info(device)
     rows = []
     for every in settings:
-        ratio = median_interval([a / b for a, b in zip(times[every], times[1])]) if every != 1 else None
+        ratio = median_interval(block_ratios(times[every], times[1], block)) if every != 1 else None
         rows.append({"every": every, "median_ms": statistics.median(times[every]) * 1e3,
                      "ratio": ratio._asdict() if ratio is not None else None})
     command = (shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None
                else shlex.join(["python", "benchmarks/check_cost.py", *argv]))
-    coverage = median_interval([0.0] * args.rounds).coverage
+    coverage = median_interval([0.0] * (args.rounds // block)).coverage
     lines = [
         f"# The rebuild check's cost: {args.model}, {args.side}×{args.side}, batch {args.batch}, M-mode",
         "",
-        "Whole SGD steps; one step of each setting per round (order rotating); per-round ratio to checking "
-        f"every step: median [interval], the interval holding the true median with probability {coverage:.1%}.",
+        "Whole SGD steps, each setting on its own copy of the model; one step of each setting per round (order "
+        f"rotating); per block of {block} rounds, the setting's total time over checking every step's (the ratio of "
+        f"mean step times): median [interval] over {args.rounds // block} blocks, the interval holding the true "
+        f"median with probability {coverage:.1%}.",
         "",
         f"- command: `{command}`",
         f"- device: {before['device']} ({before.get('gpu', before.get('cpu', ''))}), torch {before['torch']}, "
@@ -138,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps(
         {"command": command, "machine": before, "machine_after": after, "wall_s": wall, "model": args.model,
-         "side": args.side, "batch": args.batch, "rounds": args.rounds, "rows": rows,
+         "side": args.side, "batch": args.batch, "rounds": args.rounds, "block": block, "rows": rows,
          "times_s": {str(k): v for k, v in times.items()}}, indent=2) + "\n")
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     return 0

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
-    "MedianInterval", "iqr", "median_interval", "median_is_stable", "median_stderr", "stderr_from_iqr", "timed", "timer",
+    "MedianInterval", "block_ratios", "iqr", "median_interval", "median_is_stable", "median_stderr", "stderr_from_iqr",
+    "timed", "timer",
 ]
 
 # The standard error of the median of n normal samples is sqrt(pi/2) * sigma / sqrt(n), and a
@@ -134,3 +135,15 @@ def median_interval(values: Sequence[float], confidence: float = 0.95) -> Median
             break
         below, j = wider, j + 1
     return MedianInterval(statistics.median(xs), xs[j - 1], xs[n - j], 1 - 2 * (below / total))
+
+
+def block_ratios(times: Sequence[float], reference: Sequence[float], block: int) -> list[float]:
+    """Paired ratios of two methods timed round by round: per block of ``block`` consecutive
+    rounds, the method's total time over the reference's (per round for ``block=1``); rounds past
+    the last whole block are left out. A method whose steps are periodically dearer (a check on
+    one step in 4) is compared by its mean over whole periods this way, what throughput sees,
+    where per-round ratios would give the median step of a mixture."""
+    if block < 1:
+        raise ValueError(f"block must be at least 1, got {block}")
+    n = min(len(times), len(reference)) // block * block
+    return [sum(times[i : i + block]) / sum(reference[i : i + block]) for i in range(0, n, block)]

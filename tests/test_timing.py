@@ -74,3 +74,12 @@ def test_many_rounds_keep_exact_counts(n: int) -> None:
     assert got.low < got.median < got.high and 0.95 <= got.coverage < 0.96
     j = int(got.low) + 1
     assert 1 - 2 * _binomial_cdf(j - 1, n) == pytest.approx(got.coverage)
+
+
+def test_block_ratios_divide_block_totals_and_leave_out_a_partial_block() -> None:
+    from revtrain.timing import block_ratios
+
+    assert block_ratios([1, 1, 4, 1, 1, 4, 9], [2, 2, 2, 2, 2, 2, 2], 3) == [1.0, 1.0]
+    assert block_ratios([1.0, 3.0], [2.0, 2.0], 1) == [0.5, 1.5]
+    with pytest.raises(ValueError, match="block must be at least 1"):
+        block_ratios([1.0], [1.0], 0)

@@ -48,3 +48,19 @@ def test_cuda_without_cuda_is_a_clear_error() -> None:
     script = load_benchmark("paired_rounds")
     with pytest.raises(SystemExit, match="--device: .*CUDA is not available"):
         script.main(["--shape", "2x4x4x1", "--device", "cuda"])
+
+
+def test_m_check4_is_paired_over_blocks_of_four_rounds(tmp_path: Path) -> None:
+    from revtrain.timing import block_ratios
+
+    script = load_benchmark("paired_rounds")
+    out = tmp_path / "paired"
+    assert script.main(["--shape", "2x4x4x2", "--methods", "M", "M-check4", "--references", "M",
+                        "--rounds", "8", "--warmup", "1", "--out", str(out)]) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["block"] == 4
+    times = data["times_s"]
+    rows = {row["method"]: row for row in data["rows"]}
+    again = median_interval(block_ratios(times["M-check4"], times["M"], 4))
+    assert rows["M-check4"]["paired"]["M"] == pytest.approx(again._asdict())
+    assert "blocks of 4 rounds" in out.with_suffix(".md").read_text()
