@@ -104,6 +104,15 @@ def test_train_then_resume_with_more_epochs(capsys: pytest.CaptureFixture[str], 
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
 
 
+def test_train_with_check_every_from_the_command_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--check-every", "0", "--run-dir", str(run)]) == 0
+    assert "rebuild check off" in capsys.readouterr().out
+    assert json.loads((run / "config.json").read_text())["check_every"] == 0
+    err = _fails_cleanly(capsys, ["train", *TINY, "--check-every", "-1", "--run-dir", str(tmp_path / "bad")])
+    assert "check_every must be an integer >= 0" in err
+
+
 def test_bench_runs_with_small_options(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("revtrain.bench.stack", reason="revtrain.bench is not installed")
     argv = ["bench", "--depths", "2", "--repeats", "1", "--warmup", "0", "--batch", "2", "--channels", "4",
