@@ -250,8 +250,8 @@ def _check_due(layer: ReversibleStep) -> bool:
     """Whether ``layer`` checks its rebuild in this forward: on every ``check_every``-th call,
     counted per layer, so the layers of a model called once per step check on the same steps.
     (Staggering them, layer ``i`` of a run on ``(calls + i) % k``, checked a few layers on most
-    steps, and most of the check's cost is per run, not per layer: checking one of RevNet-38's
-    seven blocks cost 5% of a step, all seven 8%.)"""
+    steps, and most of the check's cost comes per run, not per layer: checking one of RevNet-38's
+    seven blocks took ~1.3 ms of a step, all seven in three runs ~3.9 ms; docs/core.md.)"""
     if not layer.check_reconstruction:
         return False
     every = getattr(layer, "check_every", 1)

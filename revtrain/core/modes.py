@@ -63,7 +63,8 @@ def set_rebuild_checks(model: nn.Module, every: int) -> int:
     (see ``check_every`` of :class:`~revtrain.core.Invertible`), and ``every=0`` never: the check then
     costs nothing, and a rebuild that drifts or turns non-finite goes unnoticed until the loss
     shows it. The check is the cost that separates M-mode from revlib's unchecked rebuild: 14-16%
-    of an unchecked step at batch 8, 16 channels, 8×8 on a CPU (README, "Speed").
+    of an unchecked step at batch 8, 16 channels, 8×8 on a CPU, ~8% of a RevNet-38 step on
+    digits (README, "Measured results"; docs/core.md, "Sampling the check").
 
     Returns the number of layers set. Raises ``ValueError`` for anything but an integer >= 0,
     before changing anything.
