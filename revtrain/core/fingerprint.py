@@ -37,6 +37,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from revtrain.core.replay import autocast_device_type
+
 __all__ = [
     "fingerprint", "Fingerprints", "layout_of", "Layout", "PROJECTIONS", "EXACT_NORM_ROWS", "FOLD_EVERY",
     "comparable_plan", "row_projections", "projection_errors", "transposed_projections", "take_rows",
@@ -293,7 +295,7 @@ class _StatePlan(NamedTuple):
                 plan = _plans[(k, x.shape, x.dtype, x.device)] = _Plan.of(x, k)
             plans.append(plan)
         shared = plans[0] if plans[0].u is not None and all(p is plans[0] for p in plans) else None
-        return cls(tuple(plans), _autocast_type(state[0].device.type), shared, any(p.exact_norm for p in plans), sum(p.values for p in plans))
+        return cls(tuple(plans), autocast_device_type(state[0].device.type), shared, any(p.exact_norm for p in plans), sum(p.values for p in plans))
 
 
 _state_plans: dict[tuple, _StatePlan] = {}
@@ -562,15 +564,10 @@ def _batched_fold_t(plan: _Plan, m: int) -> Tensor:
     return batch
 
 
-def _autocast_type(device_type: str) -> str:
-    """The device type autocast knows ``device_type`` by (other devices: ``"cpu"``)."""
-    return device_type if device_type in ("cuda", "cpu", "xpu", "mps") else "cpu"
-
-
 def _full_precision(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast off (the check's products in the tensors' own precision), where it is on; else
     one shared do-nothing context (this runs per state: nothing is built where autocast is off)."""
-    device_type = _autocast_type(device_type)
+    device_type = autocast_device_type(device_type)
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return _NO_CONTEXT

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-__all__ = ["RngState", "AutocastState", "ModuleTensors", "no_running_stat_updates", "submodules"]
+__all__ = ["RngState", "AutocastState", "autocast_device_type", "ModuleTensors", "no_running_stat_updates", "submodules"]
 
 
 def submodules(module: nn.Module) -> list[nn.Module]:
@@ -133,6 +133,11 @@ def _load_memcmp() -> Callable[[int, int, int], int] | None:
 _memcmp = _load_memcmp()
 
 
+def autocast_device_type(device_type: str) -> str:
+    """The device type autocast knows ``device_type`` by (other devices: ``"cpu"``)."""
+    return device_type if device_type in ("cuda", "cpu", "xpu", "mps") else "cpu"
+
+
 @dataclass(frozen=True)
 class AutocastState:
     """Autocast settings for one device type, read at forward time."""
@@ -144,7 +149,7 @@ class AutocastState:
 
     @classmethod
     def capture(cls, device: torch.device) -> AutocastState:
-        device_type = device.type if device.type in ("cuda", "cpu", "xpu", "mps") else "cpu"
+        device_type = autocast_device_type(device.type)
         return cls(
             device_type=device_type,
             enabled=torch.is_autocast_enabled(device_type),
