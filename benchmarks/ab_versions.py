@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import io
-import json
 import re
 import shlex
 import shutil
@@ -41,6 +40,7 @@ sys.path.insert(0, str(ROOT))  # the working tree's revtrain, whatever is instal
 
 import revtrain  # noqa: E402
 from revtrain.bench import machine_info  # noqa: E402
+from revtrain.bench.results import write_result  # noqa: E402
 from revtrain.bench.stack import (  # noqa: E402
     EXTRA_METHODS, OURS, _gradients, _rel_err, _timed_step, parse_stack_shape, stack_setup,
 )
@@ -194,12 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     ]) + "\n"
     print(text)
     out = args.out if args.out is not None else ROOT / "results" / f"ab_versions_{args.shape}_{args.method}_{commit}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "base": commit, "method": args.method, "shape": shape, "order": args.order,
-         "machine": before, "machine_after": after, "wall_s": wall, "rounds": args.rounds,
-         "gradient_difference": difference, "ratio": ratio._asdict(), "times_s": times}, indent=2) + "\n")
+    write_result(out, text, {
+        "command": command, "base": commit, "method": args.method, "shape": shape, "order": args.order,
+        "machine": before, "machine_after": after, "wall_s": wall, "rounds": args.rounds,
+        "gradient_difference": difference, "ratio": ratio._asdict(), "times_s": times})
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     return 0
 

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from revtrain.bench import machine_info
-from revtrain.bench.zoo_step import m_mode_image_model, write_result
+from revtrain.bench.results import write_result
+from revtrain.bench.zoo_step import m_mode_image_model
 from revtrain.core import set_rebuild_checks
 from revtrain.device import resolve_device
 from revtrain.timing import block_ratios, median_interval

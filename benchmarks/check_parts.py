@@ -32,7 +32,8 @@ import torch.nn.functional as F
 import revtrain.core.checks as checks
 import revtrain.core.fingerprint as fingerprint
 from revtrain.bench import machine_info
-from revtrain.bench.zoo_step import m_mode_image_model, write_result
+from revtrain.bench.results import write_result
+from revtrain.bench.zoo_step import m_mode_image_model
 from revtrain.core import reversible_blocks
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,6 @@ reformer-pytorch revtorch einops`` plus reformer's pinned helpers (benchmarks/RE
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 from revtrain.bench import OURS, PEERS, StackBenchConfig, installed_peers, machine_info, resolve_device, run_stack_benchmark
 from revtrain.bench.machine import busy_machine_note
 from revtrain.bench.peers import peer_status
+from revtrain.bench.results import write_result
 from revtrain.memory import format_bytes
 from revtrain.timing import MedianInterval, median_interval
 
@@ -192,8 +192,6 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     out = args.out if args.out is not None else ROOT / "results" / f"core_peers_{device.type}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text("\n".join(md))
     payload = {
         "command": command, "machine": before, "machine_after": after, "wall_s": wall, "notes": notes,
         "shapes": [
@@ -202,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             for (b, c, s, d), rows in results
         ],
     }
-    out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    write_result(out, "\n".join(md), payload)
     return 0
 
 

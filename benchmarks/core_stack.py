@@ -12,7 +12,6 @@ with the machine, the load average before and after, and the exact command line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -31,6 +30,7 @@ from revtrain.bench import (
 )
 from revtrain.bench.machine import busy_machine_note
 from revtrain.bench.peers import installed_peers
+from revtrain.bench.results import write_result
 from revtrain.bench.stack import EXTRA_METHODS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,13 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         "note": busy_machine_note(before, after, _BUSY_ADVICE),
     }
     out = args.out if args.out is not None else ROOT / "results" / f"core_stack_{device.type}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(_markdown(config, table, meta))
-    payload = {**meta, "config": config.to_dict(), "rows": [r.to_dict() for r in rows]}
-    out.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_result(out, _markdown(config, table, meta),
+                 {**meta, "config": config.to_dict(), "rows": [r.to_dict() for r in rows]})
     if meta["note"]:
         print(meta["note"])
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
     return 0
 
 

@@ -14,7 +14,6 @@ Its cost per step is the ``M-exact`` row of ``benchmarks/core_stack.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -30,6 +29,7 @@ from digits_loop import train_digits  # noqa: E402
 
 from revtrain import create_model  # noqa: E402
 from revtrain.bench.machine import machine_info, machine_line  # noqa: E402
+from revtrain.bench.results import write_result  # noqa: E402
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes, use_exact_couplings, verify_invertible  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,11 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{std:.4f} | {statistics.median(secs):.1f} |"
         )
     lines.append("")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("\n".join(lines))
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "machine": before, "machine_after": after, "drift": drift, "digits": digits}, indent=2
-    ) + "\n")
+    write_result(args.out, "\n".join(lines),
+                 {"command": command, "machine": before, "machine_after": after, "drift": drift, "digits": digits})
     print("\n".join(lines))
     return 0
 

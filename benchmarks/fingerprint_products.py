@@ -21,7 +21,6 @@ rounds, as paired ratios against ``transposed``.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -33,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from revtrain.bench.machine import machine_info, machine_line
+from revtrain.bench.results import write_result
 from revtrain.core import ReversibleBlock, ReversibleSequence
 from revtrain.core import fingerprint as fp
 
@@ -233,11 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         b, c, s, d = row["shape"]
         p = row["paired_vs_transposed"]
         lines.append(f"| {b} × {c} × {s}², {d} | {row['step_ms']['transposed']:.1f} ms | {p['batched']:.3f} | {p['complex']:.3f} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "machine": info, "machine_after": after, "products": products, "steps": steps}, indent=2))
-    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.json')}")
+    write_result(args.out, "\n".join(lines) + "\n",
+                 {"command": command, "machine": info, "machine_after": after, "products": products, "steps": steps})
     return 0
 
 

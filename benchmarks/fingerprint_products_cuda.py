@@ -18,7 +18,6 @@ Writes ``results/fingerprint_products_cuda.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import torch
 
 from revtrain.bench.machine import machine_info
+from revtrain.bench.results import write_result
 from revtrain.core import fingerprint as fp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps({"command": command, "machine": info, "rows": rows}, indent=2) + "\n")
+    write_result(args.out, text, {"command": command, "machine": info, "rows": rows})
     return 0
 
 

@@ -22,7 +22,6 @@ every method's gradients against ``plain`` (relative L2 <= 1e-2 in float32, else
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from revtrain.bench.machine import busy_machine_note, machine_info
+from revtrain.bench.results import write_result
 from revtrain.core import set_modes
 from revtrain.layers import BatchNormLeakyReLU, InPlaceABN
 from revtrain.memory import format_bytes, track_peak_memory
@@ -212,11 +212,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"Command: `{command}`",
         "",
     ]
-    out.with_suffix(".md").write_text("\n".join(md))
-    out.with_suffix(".json").write_text(json.dumps(
-        dict(config=vars(args) | {"out": str(out)}, model=cfg, rows=rows, machine_before=before,
-             machine_after=after, command=command, elapsed_s=elapsed, note=note), indent=1, default=str))
-    print(f"wrote {out.with_suffix('.md')} and .json")
+    write_result(out, "\n".join(md), dict(
+        config=vars(args) | {"out": str(out)}, model=cfg, rows=rows, machine_before=before,
+        machine_after=after, command=command, elapsed_s=elapsed, note=note))
     return rows
 
 

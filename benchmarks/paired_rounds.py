@@ -16,7 +16,6 @@ method). Writes ``results/paired_rounds_<shape>_<device>.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from revtrain.bench import StackBenchConfig, machine_info
+from revtrain.bench.results import write_result
 from revtrain.bench.stack import _time_round_robin, parse_stack_shape, stack_setup
 from revtrain.device import resolve_device
 from revtrain.timing import block_ratios, median_interval
@@ -121,12 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     out = args.out if args.out is not None else ROOT / "results" / f"paired_rounds_{args.shape}_{device.type}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "machine": before, "machine_after": after, "wall_s": wall, "shape": shape,
-         "rounds": args.rounds, "block": block, "rows": rows, "times_s": times}, indent=2) + "\n")
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    write_result(out, text, {
+        "command": command, "machine": before, "machine_after": after, "wall_s": wall, "shape": shape,
+        "rounds": args.rounds, "block": block, "rows": rows, "times_s": times})
     return 0
 
 

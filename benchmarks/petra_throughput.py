@@ -270,7 +270,6 @@ def _configurations(args: argparse.Namespace) -> list[tuple[str, int, Callable[[
         # Balanced by each unit's time in the mode it runs in: M-mode blocks cost the last stage
         # a rebuild (forward without graph, then rebuild and backward), C-mode blocks do not.
         splits = {mo: measured_split(_model(args, mo), j, _batch(args)[0]) for mo in dict.fromkeys(["C", *args.modes])}
-        split = splits["C"]
         extra = [[int(c) for c in text.split(",")] for text in args.extra_petra_splits]
         m = args.microbatches
         small = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size // m})

@@ -19,7 +19,6 @@ offset`` (the same value added to a whole channel, every sample). Each cell is t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shlex
 import statistics
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 
 from revtrain.bench.machine import machine_info, machine_line
+from revtrain.bench.results import write_result
 from revtrain.core import ReversibleBlock
 from revtrain.core.checks import RebuildCheck, check_rebuilds
 from revtrain.core.fingerprint import fingerprint, layout_of
@@ -162,13 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         entry_line,
         "",
     ]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".md").write_text("\n".join(lines))
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"command": command, "machine": info, "machine_after": after, "tolerance": TOLERANCE,
-                    "reported_new_old": table, "fingerprint_ms": fp_ms, "norm_ms": norm_ms,
-                    "one_entry_ratios": entry_ratios}, indent=2) + "\n"
-    )
+    write_result(args.out, "\n".join(lines), {
+        "command": command, "machine": info, "machine_after": after, "tolerance": TOLERANCE,
+        "reported_new_old": table, "fingerprint_ms": fp_ms, "norm_ms": norm_ms, "one_entry_ratios": entry_ratios})
     print("\n".join(lines))
     return 0
 

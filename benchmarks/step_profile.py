@@ -14,7 +14,6 @@ before Python launches the next, the launch count and the syncs decide a step's 
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from revtrain.bench import StackBenchConfig, machine_info
+from revtrain.bench.results import write_result
 from revtrain.bench.stack import _clear_grads, _step, _sync, parse_stack_shape, stack_setup
 from revtrain.device import resolve_device
 
@@ -139,14 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     out = args.out if args.out is not None else ROOT / "results" / f"step_profile_{args.shape}_{device.type}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
     for r in results.values():
         r["top_self_host"] = r["top_self_host"][:60]
-    out.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "machine": info, "shape": [batch, channels, size, depth], "steps": args.steps,
-         "results": results}, indent=2) + "\n")
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    write_result(out, text, {"command": command, "machine": info, "shape": [batch, channels, size, depth],
+                             "steps": args.steps, "results": results})
     return 0
 
 

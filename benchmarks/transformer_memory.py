@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shlex
 import statistics
@@ -49,6 +48,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from revtrain.bench.machine import busy_machine_note, machine_info
+from revtrain.bench.results import write_result
 from revtrain.core import set_modes
 from revtrain.device import resolve_device
 from revtrain.memory import format_bytes, track_peak_memory
@@ -356,10 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(md) + "\n"
     print(text)
     out = args.out or ROOT / "results" / f"transformer_memory_{device.type}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({**meta, "depth_rows": depth_rows, "seq_rows": seq_rows}, indent=2) + "\n")
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")
+    write_result(out, text, {**meta, "depth_rows": depth_rows, "seq_rows": seq_rows})
     return 0
 
 

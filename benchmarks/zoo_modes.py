@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from revtrain.bench import machine_info
-from revtrain.bench.zoo_step import write_result
+from revtrain.bench.results import write_result
 from revtrain.core import ReversibleSequence, set_modes, set_rebuild_checks
 from revtrain.memory import format_bytes
 from revtrain.models import create_model, input_spec

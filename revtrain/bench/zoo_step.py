@@ -1,11 +1,7 @@
 """What the benchmarks that time whole training steps of a zoo model share: the model in M-mode
-with one batch, and writing a result as Markdown and JSON."""
+with one batch."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -13,7 +9,7 @@ from torch import Tensor, nn
 from revtrain.core import reversible_blocks, set_modes
 from revtrain.models import create_model, input_spec, model_info
 
-__all__ = ["m_mode_image_model", "write_result"]
+__all__ = ["m_mode_image_model"]
 
 
 def m_mode_image_model(model_name: str, side: int, batch_size: int,
@@ -35,11 +31,3 @@ def m_mode_image_model(model_name: str, side: int, batch_size: int,
         raise ValueError(f"{model_name} has no reversible layers, so nothing is rebuilt or checked")
     set_modes(model, "M")
     return model, x, y
-
-
-def write_result(out: Path, text: str, data: dict[str, Any]) -> None:
-    """``out``.md holding ``text`` and ``out``.json holding ``data``; says where."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=2) + "\n")
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')}")

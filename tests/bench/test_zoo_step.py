@@ -1,14 +1,10 @@
-"""revtrain.bench.zoo_step: the M-mode zoo model and batch the step benchmarks share, and their
-result files."""
+"""revtrain.bench.zoo_step: the M-mode zoo model and batch the step benchmarks share."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from revtrain.bench.zoo_step import m_mode_image_model, write_result
+from revtrain.bench.zoo_step import m_mode_image_model
 from revtrain.core import get_modes
 from revtrain.models import model_info
 
@@ -27,10 +23,3 @@ def test_the_model_is_in_m_mode_with_a_batch_of_its_own_channels() -> None:
 def test_models_it_cannot_time_are_named(name: str, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         m_mode_image_model(name, 8, 2)
-
-
-def test_write_result_writes_both_files(tmp_path: Path) -> None:
-    out = tmp_path / "deep" / "r"
-    write_result(out, "# t\n", {"a": 1})
-    assert out.with_suffix(".md").read_text() == "# t\n"
-    assert json.loads(out.with_suffix(".json").read_text()) == {"a": 1}
