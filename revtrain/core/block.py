@@ -10,7 +10,16 @@ import torch
 from torch import Tensor, nn
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
-from revtrain.core.coupling import Coupling, CouplingLike, FOut, InverseCoupling, get_coupling
+from revtrain.core.coupling import (
+    AdditiveCoupling,
+    AffineCoupling,
+    Coupling,
+    CouplingLike,
+    ExactAdditiveCoupling,
+    FOut,
+    InverseCoupling,
+    get_coupling,
+)
 from revtrain.core.function import check_state, run_reversible
 from revtrain.core.overlap import finish_phases
 from revtrain.core.invertible import (
@@ -21,8 +30,8 @@ from revtrain.core.invertible import (
     normalize_mode,
     replay,
     route_extra_grads,
-    trainable_params,
 )
+from revtrain.core.randomness import known_random_free
 from revtrain.core.replay import RngState
 from revtrain.core.step import Grads, State, StepResult, autograd_grads
 from revtrain.errors import ReversibilityError
@@ -257,11 +266,8 @@ class ReversibleBlock(Invertible):
 
     # -- the reversible step: RevNet Algorithm 1 ---------------------------------------------
 
-    def step_params(self) -> list[Tensor]:
-        return trainable_params(self.f, self.g)
-
     def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
-        return _couple_forward(self, self.roles, xs[0], xs[1], extra, rng=self.preserve_rng_state)
+        return _couple_forward(self, self.roles, xs[0], xs[1], extra, rng=_capture_rng(self))
 
     def step_reverse(
         self,
@@ -292,7 +298,7 @@ class _BlockInverse(InverseStep):
 
     def step_forward(self, ys: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
         block = self.module
-        (x2, x1), record = _couple_forward(block, block.inverse_roles, ys[1], ys[0], extra, rng=block.preserve_rng_state)
+        (x2, x1), record = _couple_forward(block, block.inverse_roles, ys[1], ys[0], extra, rng=_capture_rng(block))
         return (x1, x2), record
 
     def step_reverse(
@@ -311,6 +317,17 @@ class _BlockInverse(InverseStep):
 
 
 # -- the two halves of the algorithm, for a block or its inverse -------------------------------
+
+
+_BUILT_IN_COUPLINGS = frozenset({AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling})
+"""Couplings whose forward and inverse draw no random numbers (matched by exact type)."""
+
+
+def _capture_rng(block: ReversibleBlock) -> bool:
+    """Whether a block's M-mode forward captures the random generators for its rebuild: when
+    asked to (``preserve_rng_state``), unless the run knows that nothing below the block draws
+    random numbers (``core/randomness.py``) and the coupling is a built-in one."""
+    return block.preserve_rng_state and not (known_random_free() and type(block.coupling) in _BUILT_IN_COUPLINGS)
 
 
 def _couple_forward(

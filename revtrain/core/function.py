@@ -34,9 +34,10 @@ from revtrain.core.checks import RunCheck
 from revtrain.core.fingerprint import Fingerprints, layout_of, take_rows
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
+from revtrain.core.randomness import enter_random_free, leave_random_free
 from revtrain.core.replay import AutocastState, ModuleTensors
 from revtrain.core.sharding import unsharded
-from revtrain.core.step import ReversibleStep, State, StepResult, owner_module
+from revtrain.core.step import ReversibleStep, State, StepResult, owner_module, walk_gives_params
 from revtrain.errors import ReconstructionError, ReversibilityError
 
 __all__ = ["run_reversible", "run_spec", "check_state"]
@@ -109,7 +110,17 @@ class _ReversibleRun(torch.autograd.Function):
         for i, layer in enumerate(layers):
             layouts.append(layout_of(xs) if due[i] else None)
             inputs.append(taken.add(xs, layouts[-1]) if due[i] else None)
-            xs, record = layer.step_forward(xs, extra)
+            tensors = run.module_tensors[i]
+            if tensors is not None and tensors.random_free:
+                # Nothing below the layer draws random numbers: a block skips capturing the
+                # generators for its rebuild (core/randomness.py).
+                token = enter_random_free(True)
+                try:
+                    xs, record = layer.step_forward(xs, extra)
+                finally:
+                    leave_random_free(token)
+            else:
+                xs, record = layer.step_forward(xs, extra)
             records.append(record)
             # A layer's output scale is the next layer's input fingerprint when there is one.
             if due[i] and not (i + 1 < len(layers) and due[i + 1]):
@@ -459,15 +470,18 @@ def run_spec(
 ) -> _Run:
     """The non-tensor first argument of ``_ReversibleRun.apply`` (the tensors follow: the
     state, the extra arguments' tensors, then every layer's ``step_params()``)."""
-    owners = [owner_module(layer) for layer in layers]
+    tensors = tuple(ModuleTensors.capture(m) if m is not None else None
+                    for m in (owner_module(layer) for layer in layers))
     return _Run(
         layers=tuple(layers),
         join_dim=join_dim,
-        param_lists=tuple(layer.step_params() for layer in layers),
+        # From the walk that found the modules' tensors where that is what step_params gives.
+        param_lists=tuple(list(t.params) if t is not None and walk_gives_params(layer) else layer.step_params()
+                          for layer, t in zip(layers, tensors)),
         n_state=n_state,
         extra=extra,
         n_extra=len(extra.tensors),
-        module_tensors=tuple(ModuleTensors.capture(m) if m is not None else None for m in owners),
+        module_tensors=tensors,
         overlap=overlap,
     )
 

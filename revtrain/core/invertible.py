@@ -206,6 +206,8 @@ class Invertible(nn.Module, abc.ABC):
     def step_params(self) -> list[Tensor]:
         return trainable_params(self)
 
+    step_params.owner_params = True  # type: ignore[attr-defined]  # see revtrain.core.step.walk_gives_params
+
     def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
         if not self.preserve_rng_state:
             return extra.call(self.forward_state, xs), _GenericRecord(None)
@@ -251,6 +253,8 @@ class InverseStep:
 
     def step_params(self) -> list[Tensor]:
         return self.module.step_params()
+
+    step_params.owner_params = "module"  # type: ignore[attr-defined]  # the module's own, see walk_gives_params
 
     def step_forward(self, ys: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
         if not self.module.preserve_rng_state:

@@ -28,6 +28,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from revtrain.core.randomness import no_module_draws_random_numbers
+
 __all__ = ["RngState", "AutocastState", "autocast_device_type", "ModuleTensors", "no_running_stat_updates", "submodules"]
 
 
@@ -205,6 +207,14 @@ class ModuleTensors:
     """``(module._parameters or module._buffers, name, tensor)`` for each tensor."""
     stat_norms: tuple[_NormBase, ...] = ()
     """Norm layers in training mode that track running statistics (the rebuild must not)."""
+    random_free: bool = False
+    """No module below the captured one can draw random numbers in a forward
+    (:func:`~revtrain.core.randomness.no_module_draws_random_numbers`): the step need not
+    capture the generators for its rebuild."""
+    params: tuple[Tensor, ...] = ()
+    """The trainable parameters of the module and its submodules, each once, in module order
+    (what ``trainable_params(module)`` returns), from the same walk: an M-mode run takes a
+    layer's parameters from here where the layer's ``step_params`` is exactly that."""
 
     @classmethod
     def capture(cls, module: nn.Module) -> ModuleTensors:
@@ -213,16 +223,22 @@ class ModuleTensors:
         # modules, this 11).
         entries: list[tuple[dict[str, Any], str, Tensor | None]] = []
         norms = []
-        for m in submodules(module):
+        params: list[Tensor] = []
+        modules = submodules(module)
+        for m in modules:
             d = m._parameters
             if d:
                 entries += [(d, name, t) for name, t in d.items()]
+                params += [t for t in d.values() if t is not None and t.requires_grad]
             d = m._buffers
             if d:
                 entries += [(d, name, t) for name, t in d.items()]
             if isinstance(m, _NormBase) and m.training and m.track_running_stats:
                 norms.append(m)
-        return cls(tuple(entries), tuple(norms))
+        if len(params) > 1 and len({id(p) for p in params}) < len(params):  # shared parameters: once each
+            seen: set[int] = set()
+            params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
+        return cls(tuple(entries), tuple(norms), no_module_draws_random_numbers(modules[1:]), tuple(params))
 
     def enter(self) -> list[tuple[dict[str, Any], str, Any]]:
         """Put the recorded tensors back in the modules (usually a no-op: nothing was swapped

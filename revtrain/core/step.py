@@ -31,7 +31,7 @@ from torch.overrides import has_torch_function
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.replay import AutocastState, no_running_stat_updates
 
-__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module"]
+__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module", "walk_gives_params"]
 
 State = tuple[Tensor, ...]
 """The tensors a reversible layer maps: ``(x1, x2)`` for coupling blocks, ``(x,)`` otherwise."""
@@ -120,6 +120,20 @@ def owner_module(layer: object) -> nn.Module | None:
         return layer
     module = getattr(layer, "module", None)
     return module if isinstance(module, nn.Module) else None
+
+
+def walk_gives_params(layer: object) -> bool:
+    """Whether ``layer.step_params()`` is exactly the trainable parameters of its owner module
+    (:func:`owner_module`) in module order, as :class:`~revtrain.core.replay.ModuleTensors`
+    collects them in its walk: the M-mode run then takes them from there instead of walking the
+    modules a second time (one walk less per layer in every forward). Said by a mark on the
+    ``step_params`` function itself (``owner_params``: True, or ``"module"`` for a step that
+    returns its module's), so a subclass that overrides ``step_params`` is asked instead."""
+    mark = getattr(type(layer).step_params, "owner_params", False)
+    if mark == "module":
+        owner = owner_module(layer)
+        mark = owner is not None and getattr(type(owner).step_params, "owner_params", False)
+    return mark is True
 
 
 def autograd_grads(

@@ -1,0 +1,214 @@
+"""What an M-mode run sets up per layer in every forward: the random generators are captured only
+where something below a block may draw random numbers (core/randomness.py), counted, with exact
+replay wherever one may; the parameters come from the walk that finds the tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import revtrain.core.block as block_module
+from revtrain.core import AdditiveCoupling, ReversibleBlock, ReversibleSequence
+from revtrain.core.randomness import draws_no_random_numbers, known_random_free, no_module_draws_random_numbers
+from revtrain.models import create_model
+
+from .helpers import assert_grads_close, grads, plain_twin
+
+
+class Noise(nn.Module):
+    """Adds Gaussian noise: draws random numbers in its own forward, with no word about it."""
+
+    def forward(self, x):
+        return x + 0.1 * torch.randn_like(x)
+
+
+class SaysNoRandomness(nn.Module):
+    draws_random_numbers = False
+
+    def forward(self, x):
+        return torch.tanh(x)
+
+
+class InheritsTheWord(SaysNoRandomness):
+    """A subclass may add randomness: the parent's word does not count for it."""
+
+    def forward(self, x):
+        return torch.tanh(x) + 0.1 * torch.randn_like(x)
+
+
+class OwnForwardSequential(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x) + 0.1 * torch.randn_like(x)
+
+
+class PlainCoupling(AdditiveCoupling):
+    """Not a built-in type: the block keeps capturing whatever F and G are."""
+
+
+def _fn(*extra: nn.Module) -> nn.Module:
+    return nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(), *extra)
+
+
+def _stack(f_extra=(), g_extra=(), coupling="additive", depth=3) -> ReversibleSequence:
+    torch.manual_seed(0)
+    return ReversibleSequence([
+        ReversibleBlock(_fn(*[type(m)() for m in f_extra]), _fn(*[type(m)() for m in g_extra]), coupling=coupling)
+        for _ in range(depth)
+    ])
+
+
+def _captures(model: nn.Module, x: torch.Tensor, monkeypatch) -> int:
+    """Generator captures in one M-mode forward (and the backward, which must take none)."""
+    count = [0]
+    real = block_module.RngState.capture
+
+    def counted(device):
+        count[0] += 1
+        return real(device)
+
+    monkeypatch.setattr(block_module.RngState, "capture", counted)
+    model(x.clone().requires_grad_(True)).square().sum().backward()
+    monkeypatch.setattr(block_module.RngState, "capture", real)
+    return count[0]
+
+
+X = torch.randn(2, 8, 5, 5)
+
+
+def test_blocks_of_torch_layers_capture_nothing(monkeypatch):
+    assert _captures(_stack(), X, monkeypatch) == 0
+
+
+@pytest.mark.parametrize("extra, random", [
+    ((nn.Dropout(),), True),
+    ((Noise(),), True),
+    ((SaysNoRandomness(),), False),
+    ((InheritsTheWord(),), True),
+])
+def test_a_block_captures_where_a_module_may_draw(monkeypatch, extra, random):
+    """Three captures per block (before F, before G, after G) wherever one module below it may
+    draw; none where every module is known not to."""
+    model = _stack(f_extra=extra)
+    assert _captures(model, X, monkeypatch) == (9 if random else 0)
+
+
+def test_a_sequential_with_its_own_forward_is_not_trusted(monkeypatch):
+    torch.manual_seed(0)
+    fn = OwnForwardSequential(nn.Conv2d(4, 4, 3, padding=1, bias=False))
+    model = ReversibleSequence([ReversibleBlock(fn, _fn())])
+    assert not draws_no_random_numbers(fn)
+    assert _captures(model, X, monkeypatch) == 3
+
+
+def test_hooks_and_custom_couplings_keep_the_capture(monkeypatch):
+    model = _stack()
+    handle = model[1].f[0].register_forward_hook(lambda m, i, o: o + 0.0 * torch.rand(()))
+    assert _captures(model, X, monkeypatch) == 3  # the hooked block only
+    handle.remove()
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda m, i: None)
+    try:
+        assert _captures(model, X, monkeypatch) == 9
+    finally:
+        handle.remove()
+    assert _captures(_stack(coupling=PlainCoupling()), X, monkeypatch) == 9
+    assert _captures(model, X, monkeypatch) == 0
+
+
+def test_the_zoo_revnet_captures_nothing(monkeypatch):
+    torch.manual_seed(0)
+    model = create_model("revnet38", in_channels=1, num_classes=10)
+    assert _captures(model, torch.randn(2, 1, 8, 8), monkeypatch) == 0
+
+
+@pytest.mark.parametrize("extra", [(Noise(),), (InheritsTheWord(),), (nn.Dropout(0.5),)])
+def test_modules_that_draw_are_replayed_exactly(extra):
+    """Where a module below may draw, the rebuild replays it: M-mode gradients equal plain
+    autograd's from the same seed, in float64."""
+    model = _stack(f_extra=extra, g_extra=extra, depth=4).double()
+    twin = plain_twin(model)
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+    results = []
+    for m in (model, twin):
+        torch.manual_seed(11)
+        xi = x.clone().requires_grad_(True)
+        m(xi).square().sum().backward()
+        results.append(xi.grad)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
+    assert_grads_close(grads(model), grads(twin), 1e-10)
+
+
+def test_the_flag_is_only_set_around_a_random_free_step():
+    seen = []
+
+    class Spy(nn.Module):
+        draws_random_numbers = False
+
+        def forward(self, x):
+            seen.append(known_random_free())
+            return x * 0.5
+
+    torch.manual_seed(0)
+    model = ReversibleSequence([ReversibleBlock(Spy(), Spy()), ReversibleBlock(Spy(), Noise())])
+    model(X.clone().requires_grad_(True)).sum().backward()
+    # Forward: the first block is random-free, the second not (its G draws); the rebuild in
+    # backward never runs under the flag.
+    assert seen[:3] == [True, True, False]
+    assert not any(seen[3:]) and not known_random_free()
+
+
+def test_the_rules_for_single_modules():
+    assert draws_no_random_numbers(nn.Conv2d(1, 1, 1)) and draws_no_random_numbers(nn.Sequential())
+    assert not draws_no_random_numbers(nn.Dropout()) and not draws_no_random_numbers(nn.RReLU())
+    assert not draws_no_random_numbers(nn.MultiheadAttention(4, 1))
+    assert not draws_no_random_numbers(Noise())
+    assert no_module_draws_random_numbers([nn.Linear(2, 2), nn.GELU()])
+    assert not no_module_draws_random_numbers([nn.Linear(2, 2), nn.Dropout()])
+
+
+# -- one walk for a layer's tensors and its parameters (revtrain.core.step.walk_gives_params) --
+
+
+def _tied_block() -> ReversibleBlock:
+    torch.manual_seed(0)
+    f, g = _fn(), _fn()
+    g[0].weight = f[0].weight  # shared: counted once
+    g[1].weight.requires_grad_(False)  # frozen: not a parameter of the step (3 + 1 left)
+    return ReversibleBlock(f, g)
+
+
+def test_the_runs_parameters_are_the_layers_step_params_in_order():
+    from revtrain.core.function import run_spec
+    from revtrain.core.step import walk_gives_params
+
+    block = _tied_block()
+    layers = [block, block.inverse_step()]
+    spec = run_spec(layers, 2)
+    for layer, params in zip(layers, spec.param_lists):
+        assert walk_gives_params(layer)
+        want = layer.step_params()
+        assert len(params) == len(want) == 4 and all(a is b for a, b in zip(params, want))
+
+
+def test_a_layer_that_overrides_step_params_is_asked():
+    from revtrain.core.function import run_spec
+    from revtrain.core.step import walk_gives_params
+
+    class OnlyF(ReversibleBlock):
+        def step_params(self):
+            return list(self.f.parameters())
+
+    torch.manual_seed(0)
+    block = OnlyF(_fn(), _fn())
+    assert not walk_gives_params(block) and not walk_gives_params(block.inverse_step())
+    (params,) = run_spec([block], 2).param_lists
+    assert [id(p) for p in params] == [id(p) for p in block.f.parameters()]
+
+
+def test_tied_and_frozen_parameters_get_plain_autograds_gradients():
+    model = ReversibleSequence([_tied_block(), _tied_block()]).double()
+    twin = plain_twin(model)
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+    for m in (model, twin):
+        m(x.clone().requires_grad_(True)).square().sum().backward()
+    assert_grads_close(grads(model), grads(twin), 1e-10)
