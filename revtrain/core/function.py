@@ -111,16 +111,14 @@ class _ReversibleRun(torch.autograd.Function):
             layouts.append(layout_of(xs) if due[i] else None)
             inputs.append(taken.add(xs, layouts[-1]) if due[i] else None)
             tensors = run.module_tensors[i]
-            if tensors is not None and tensors.random_free:
-                # Nothing below the layer draws random numbers: a block skips capturing the
-                # generators for its rebuild (core/randomness.py).
-                token = enter_random_free(True)
-                try:
-                    xs, record = layer.step_forward(xs, extra)
-                finally:
-                    leave_random_free(token)
-            else:
+            # Whether nothing below the layer draws random numbers: a block then skips capturing
+            # the generators for its rebuild (core/randomness.py). Said for every layer, so no
+            # layer inherits another's answer.
+            token = enter_random_free(tensors is not None and tensors.random_free)
+            try:
                 xs, record = layer.step_forward(xs, extra)
+            finally:
+                leave_random_free(token)
             records.append(record)
             # A layer's output scale is the next layer's input fingerprint when there is one.
             if due[i] and not (i + 1 < len(layers) and due[i + 1]):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,7 +43,7 @@ from torch import Tensor, nn
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.function import check_state, run_reversible
 from revtrain.core.replay import RngState, submodules
-from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads
+from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads, gives_owner_params
 
 __all__ = [
     "Invertible",
@@ -203,10 +204,9 @@ class Invertible(nn.Module, abc.ABC):
 
     # -- the reversible step (see revtrain.core.step.ReversibleStep) -------------------------
 
+    @gives_owner_params
     def step_params(self) -> list[Tensor]:
         return trainable_params(self)
-
-    step_params.owner_params = True  # type: ignore[attr-defined]  # see revtrain.core.step.walk_gives_params
 
     def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
         if not self.preserve_rng_state:
@@ -251,10 +251,9 @@ class InverseStep:
     def check_every(self) -> int:
         return getattr(self.module, "check_every", 1)
 
+    @functools.partial(gives_owner_params, of_module=True)
     def step_params(self) -> list[Tensor]:
         return self.module.step_params()
-
-    step_params.owner_params = "module"  # type: ignore[attr-defined]  # the module's own, see walk_gives_params
 
     def step_forward(self, ys: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
         if not self.module.preserve_rng_state:

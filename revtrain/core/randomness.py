@@ -12,12 +12,14 @@ A module's own forward draws none when:
 - its type is exactly one of torch's layers that never do (:data:`RANDOM_FREE_TYPES`:
   convolutions, linear layers, norms, activations other than RReLU, pooling, padding,
   ``Identity``, ``Flatten``...). Exactly: a subclass may override what ``forward`` calls;
-- it is an ``nn.Sequential`` whose class keeps Sequential's ``forward`` and iteration (the zoo's
-  residual branches): it only calls its children, which are judged themselves;
+- it is an ``nn.Sequential`` whose class keeps Sequential's ``forward``, iteration and call
+  (the zoo's residual branches): it only calls its children, which are judged themselves;
 - its class says so in its own body, ``draws_random_numbers = False`` (not inherited: a
   subclass may add randomness). ``True`` there, or no word at all for any other type, counts as
   drawing.
 
+A ``forward`` set on the instance (a monkeypatch) runs instead of the class's and is not
+trusted, except where :func:`revtrain.compile_model` set it to the compiled class forward.
 A forward hook or pre-hook on any module, or a global module hook, may draw random numbers too:
 then the generators are captured as before. Dropout, ``nn.MultiheadAttention`` (dropout inside)
 and anything unknown keep the capture, so exact replay never depends on this list being complete,
@@ -31,7 +33,7 @@ from contextvars import ContextVar, Token
 
 from torch import nn
 
-__all__ = ["RANDOM_FREE_TYPES", "draws_no_random_numbers", "no_module_draws_random_numbers",
+__all__ = ["RANDOM_FREE_TYPES", "COMPILED_FORWARD", "draws_no_random_numbers", "no_module_draws_random_numbers",
            "known_random_free", "enter_random_free", "leave_random_free"]
 
 RANDOM_FREE_TYPES: frozenset[type[nn.Module]] = frozenset({
@@ -57,6 +59,12 @@ def draws_no_random_numbers(module: nn.Module) -> bool:
     """Whether ``module``'s own forward provably draws no random numbers (its children and
     hooks aside; see the module docstring for the rules)."""
     kind = type(module)
+    own = module.__dict__
+    if "forward" in own or "_call_impl" in own:
+        # A forward set on the instance (a monkeypatch, accelerate's hooks) runs instead of the
+        # class's: unknown, unless it is revtrain.compile_model's compiled class forward.
+        if "_call_impl" in own or not _compiled_class_forward(module, kind):
+            return False
     if kind in RANDOM_FREE_TYPES:
         return True
     said = kind.__dict__.get("draws_random_numbers")
@@ -66,6 +74,25 @@ def draws_no_random_numbers(module: nn.Module) -> bool:
         isinstance(module, nn.Sequential)
         and kind.forward is nn.Sequential.forward
         and kind.__iter__ is nn.Sequential.__iter__
+        and kind.__call__ is nn.Module.__call__
+        and kind._call_impl is nn.Module._call_impl
+    )
+
+
+COMPILED_FORWARD = "_revtrain_forward_from"
+"""Where :func:`revtrain.compile_model` notes, on a module, ``(compiled function, class
+forward it compiled)`` for the forward it sets on the instance."""
+
+
+def _compiled_class_forward(module: nn.Module, kind: type) -> bool:
+    """Whether the instance's forward is ``compile_model``'s compilation of the class's own
+    forward (the same computation: what the class's forward draws, it draws)."""
+    origin = module.__dict__.get(COMPILED_FORWARD)
+    forward = module.__dict__.get("forward")
+    return (
+        isinstance(origin, tuple) and len(origin) == 2
+        and getattr(forward, "__func__", None) is origin[0]
+        and origin[1] is kind.forward
     )
 
 

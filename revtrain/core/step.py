@@ -31,7 +31,7 @@ from torch.overrides import has_torch_function
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.replay import AutocastState, no_running_stat_updates
 
-__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module", "walk_gives_params"]
+__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module", "walk_gives_params", "gives_owner_params"]
 
 State = tuple[Tensor, ...]
 """The tensors a reversible layer maps: ``(x1, x2)`` for coupling blocks, ``(x,)`` otherwise."""
@@ -122,18 +122,37 @@ def owner_module(layer: object) -> nn.Module | None:
     return module if isinstance(module, nn.Module) else None
 
 
+_OWNER_PARAMS: set[Any] = set()
+"""``step_params`` functions that return their module's trainable parameters in module order."""
+_MODULE_OWNER_PARAMS: set[Any] = set()
+"""``step_params`` functions that return ``self.module.step_params()``."""
+
+
+def gives_owner_params(function: Any, *, of_module: bool = False) -> Any:
+    """Register a ``step_params`` function as returning exactly ``trainable_params`` of the
+    layer's owner module (``of_module``: the ``step_params`` of the module it works for) — see
+    :func:`walk_gives_params`. Returns the function (a decorator). Registered by identity, so a
+    wrapper around a registered function is not registered."""
+    (_MODULE_OWNER_PARAMS if of_module else _OWNER_PARAMS).add(function)
+    return function
+
+
 def walk_gives_params(layer: object) -> bool:
     """Whether ``layer.step_params()`` is exactly the trainable parameters of its owner module
     (:func:`owner_module`) in module order, as :class:`~revtrain.core.replay.ModuleTensors`
     collects them in its walk: the M-mode run then takes them from there instead of walking the
-    modules a second time (one walk less per layer in every forward). Said by a mark on the
-    ``step_params`` function itself (``owner_params``: True, or ``"module"`` for a step that
-    returns its module's), so a subclass that overrides ``step_params`` is asked instead."""
-    mark = getattr(type(layer).step_params, "owner_params", False)
-    if mark == "module":
-        owner = owner_module(layer)
-        mark = owner is not None and getattr(type(owner).step_params, "owner_params", False)
-    return mark is True
+    modules a second time (one walk less per layer in every forward). True only for the
+    registered functions (:func:`gives_owner_params`), so a subclass or an instance that
+    overrides ``step_params`` is asked instead."""
+    if "step_params" in getattr(layer, "__dict__", {}):
+        return False
+    function = type(layer).step_params
+    if function in _MODULE_OWNER_PARAMS:
+        layer = owner_module(layer)
+        if layer is None or "step_params" in layer.__dict__:
+            return False
+        function = type(layer).step_params
+    return function in _OWNER_PARAMS
 
 
 def autograd_grads(

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import revtrain.core.block as block_module
-from revtrain.core import AdditiveCoupling, ReversibleBlock, ReversibleSequence
+from revtrain.core import AdditiveCoupling, ReversibleBlock, ReversibleSequence, set_modes
 from revtrain.core.randomness import draws_no_random_numbers, known_random_free, no_module_draws_random_numbers
 from revtrain.models import create_model
 
@@ -212,3 +212,135 @@ def test_tied_and_frozen_parameters_get_plain_autograds_gradients():
     for m in (model, twin):
         m(x.clone().requires_grad_(True)).square().sum().backward()
     assert_grads_close(grads(model), grads(twin), 1e-10)
+
+
+# -- what a review found: instance forwards, overridden calls, the inverse, extra parameters --
+
+
+def _dropout_forward(module: nn.Module) -> nn.Module:
+    """Replace the instance's forward (as a monkeypatch or accelerate's hooks do) with one that
+    adds dropout to the class's."""
+    cls_forward = type(module).forward
+    module.forward = lambda x: torch.nn.functional.dropout(cls_forward(module, x), 0.5, True)
+    return module
+
+
+def test_a_forward_set_on_the_instance_is_not_trusted_and_replays_exactly(monkeypatch):
+    model = _stack(depth=2).double()
+    for block in model:
+        _dropout_forward(block.f[0])
+    assert not draws_no_random_numbers(model[0].f[0])
+    twin = plain_twin(model)
+    for block in twin:  # deepcopy keeps the instance forward bound to the original: set again
+        _dropout_forward(block.f[0])
+    assert _captures(model, X.double(), monkeypatch) == 6
+    model.zero_grad(set_to_none=True)
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+    results = []
+    for m in (model, twin):
+        torch.manual_seed(3)
+        m(x.clone().requires_grad_(True)).square().sum().backward()
+        results.append(grads(m))
+    assert_grads_close(results[0], results[1], 1e-10)
+
+
+def test_an_overridden_call_is_not_trusted():
+    class CalledOtherwise(nn.Sequential):
+        def __call__(self, *args):
+            return super().__call__(*args) + 0.1 * torch.randn_like(args[0])
+
+    class Plain(nn.Sequential):
+        pass
+
+    assert not draws_no_random_numbers(CalledOtherwise(nn.Identity()))
+    assert draws_no_random_numbers(Plain(nn.Identity()))
+    patched = Plain(nn.Identity())
+    patched._call_impl = lambda *a, **k: torch.rand(())
+    assert not draws_no_random_numbers(patched)
+
+
+def test_compile_models_forward_is_judged_by_its_class_and_a_later_patch_is_not():
+    from revtrain.compilation import compile_model, uncompile_model
+    from revtrain.core.replay import ModuleTensors
+
+    model = _stack(depth=1)
+    assert compile_model(model)  # sets a compiled forward on F and G (compiled on first call)
+    assert "forward" in model[0].f.__dict__ and ModuleTensors.capture(model[0]).random_free
+    _dropout_forward(model[0].f)
+    assert not ModuleTensors.capture(model[0]).random_free
+    uncompile_model(model)
+    assert ModuleTensors.capture(model[0]).random_free
+
+
+def test_no_layer_inherits_the_answer_of_an_outer_scope(monkeypatch):
+    from revtrain.core.randomness import enter_random_free, leave_random_free
+
+    token = enter_random_free(True)
+    try:
+        assert _captures(_stack(f_extra=(nn.Dropout(),)), X, monkeypatch) == 9
+    finally:
+        leave_random_free(token)
+
+
+def test_the_inverse_of_a_block_with_dropout_replays_exactly():
+    """``block.inverse`` in M-mode keeps only its output and rebuilds through the block's
+    forward: with dropout in F and G that rebuild must replay the generators too."""
+    torch.manual_seed(0)
+    block = ReversibleBlock(_fn(nn.Dropout(0.3)), _fn(nn.Dropout(0.3))).double()
+    twin = plain_twin(block)
+    y = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+    results = []
+    for b in (block, twin):
+        torch.manual_seed(5)
+        yi = y.clone().requires_grad_(True)
+        b.inverse(yi).square().sum().backward()
+        results.append((yi.grad, grads(b)))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-10, atol=1e-12)
+    assert_grads_close(results[0][1], results[1][1], 1e-10)
+
+
+def test_a_parameter_of_a_block_subclass_used_by_f_gets_its_gradient():
+    """``ReversibleBlock.step_params`` is every trainable parameter below the block (not only
+    F's and G's): a gate the subclass holds and F reads gets plain autograd's gradient in
+    M-mode (before, it got none)."""
+
+    class Gated(nn.Module):
+        def __init__(self, owner_gate):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+            self.gate = owner_gate
+
+        def forward(self, x):
+            return self.conv(x) * self.gate()
+
+    class GatedBlock(ReversibleBlock):
+        def __init__(self):
+            gate = nn.Parameter(torch.tensor(0.7))
+            super().__init__(Gated(lambda: self.gate), _fn())
+            self.gate = gate
+
+    def build(mode):
+        torch.manual_seed(0)
+        model = ReversibleSequence([GatedBlock(), GatedBlock()]).double()
+        set_modes(model, mode)
+        return model
+
+    # Built twice from one seed, not copied: F reads the gate through its own block.
+    model, twin = build("M"), build("C")
+    for m in (model, twin):
+        torch.manual_seed(1)
+        m(torch.randn(2, 8, 5, 5, dtype=torch.float64, requires_grad=True)).square().sum().backward()
+    assert model[0].gate.grad is not None
+    assert_grads_close(grads(model), grads(twin), 1e-10)
+
+
+def test_an_instance_override_of_step_params_is_asked():
+    from revtrain.core.function import run_spec
+    from revtrain.core.step import walk_gives_params
+
+    torch.manual_seed(0)
+    block = ReversibleBlock(_fn(), _fn())
+    block.step_params = lambda: list(block.f.parameters())
+    assert not walk_gives_params(block) and not walk_gives_params(block.inverse_step())
+    (params,) = run_spec([block], 2).param_lists
+    assert [id(p) for p in params] == [id(p) for p in block.f.parameters()]
