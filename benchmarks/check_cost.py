@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import shlex
 import statistics
@@ -36,7 +37,7 @@ from revtrain.bench import machine_info
 from revtrain.bench.results import write_result
 from revtrain.bench.zoo_step import m_mode_image_model
 from revtrain.core import set_rebuild_checks
-from revtrain.device import resolve_device
+from revtrain.device import resolve_device, synchronize
 from revtrain.timing import block_ratios, median_interval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,7 +64,7 @@ def run(model_name: str, side: int, batch_size: int, settings: list[int], rounds
         base, x, y = m_mode_image_model(model_name, side, batch_size, device)
     except ValueError as e:
         raise SystemExit(f"--model: {e}") from None
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync = functools.partial(synchronize, device)
     steps = {}
     for every in settings:
         model = copy.deepcopy(base)

@@ -37,6 +37,7 @@ from torch import nn
 from revtrain.bench.machine import busy_machine_note, machine_info
 from revtrain.bench.results import write_result
 from revtrain.core import set_modes
+from revtrain.device import synchronize
 from revtrain.layers import BatchNormLeakyReLU, InPlaceABN
 from revtrain.memory import format_bytes, track_peak_memory
 from revtrain.models.resnext import ResNeXt
@@ -88,11 +89,6 @@ def build_models(model: str, device: torch.device, seed: int) -> dict[str, nn.Mo
     return models
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
     optimizer.zero_grad(set_to_none=True)
     F.cross_entropy(model(x), y).backward()
@@ -129,10 +125,10 @@ def measure(args: argparse.Namespace, batch: int, device: torch.device) -> list[
     for round_ in range(args.warmup + args.repeats):
         order = names[round_ % len(names):] + names[: round_ % len(names)]
         for name in order:
-            _sync(device)
+            synchronize(device)
             t0, c0 = time.perf_counter(), time.process_time()
             train_step(models[name], optimizers[name], x, y)
-            _sync(device)
+            synchronize(device)
             if round_ >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)

@@ -25,8 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from revtrain.bench import StackBenchConfig, machine_info
 from revtrain.bench.results import write_result
-from revtrain.bench.stack import _clear_grads, _step, _sync, parse_stack_shape, stack_setup
-from revtrain.device import resolve_device
+from revtrain.bench.stack import _clear_grads, _step, parse_stack_shape, stack_setup
+from revtrain.device import resolve_device, synchronize
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,14 +54,14 @@ def profile_method(model: torch.nn.Module, x: torch.Tensor, params: list, device
     for _ in range(warmup):
         _clear_grads(params, x)
         _step(model, x)
-    _sync(device)
+    synchronize(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         for _ in range(steps):
             _clear_grads(params, x)
             _step(model, x)
-        _sync(device)
+        synchronize(device)
     wall = (time.perf_counter() - start) / steps
     host_ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])  # name -> [count, self host us]
     kernels = 0

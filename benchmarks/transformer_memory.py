@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from revtrain.bench.machine import busy_machine_note, machine_info
 from revtrain.bench.results import write_result
 from revtrain.core import set_modes
-from revtrain.device import resolve_device
+from revtrain.device import resolve_device, synchronize
 from revtrain.memory import format_bytes, track_peak_memory
 from revtrain.models import RevTransformerLM, TransformerConfig, TransformerLM
 
@@ -152,11 +152,6 @@ def _clear(models: dict[str, nn.Module]) -> None:
             p.grad = None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def check_gradients(models, owners, x, y) -> dict[str, float]:
     """Relative L2 distance of each method's gradients from its reference's; raise when off."""
     grads = {}
@@ -200,10 +195,10 @@ def time_steps(models, x, y, device, repeats: int, warmup: int) -> dict[str, tup
         for k in range(len(names)):
             method = names[(r + k) % len(names)]
             _clear(models)
-            _sync(device)
+            synchronize(device)
             cpu, wall = time.process_time(), time.perf_counter()
             _loss(models[method], x, y).backward()
-            _sync(device)
+            synchronize(device)
             if r >= warmup:
                 times[method][0].append(time.perf_counter() - wall)
                 times[method][1].append(time.process_time() - cpu)

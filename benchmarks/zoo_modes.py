@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import os
 import shlex
 import statistics
@@ -38,6 +39,7 @@ import torch
 from revtrain.bench import machine_info
 from revtrain.bench.results import write_result
 from revtrain.core import ReversibleSequence, set_modes, set_rebuild_checks
+from revtrain.device import synchronize
 from revtrain.memory import format_bytes
 from revtrain.models import create_model, input_spec
 from revtrain.planner import measure_steps, prepare
@@ -101,7 +103,7 @@ def phase_times(setup, rounds: int) -> dict[str, dict[str, float]]:
     C-mode that is one forward of the blocks with a graph, what M-mode's backward runs again to
     rebuild; without a graph, what M-mode's forward runs. No optimizer step: the weights stay
     as prepared, so every round times the same computation."""
-    model, sync = setup.model, _sync_for(setup.device)
+    model, sync = setup.model, functools.partial(synchronize, setup.device)
     sequences = [m for m in model.modules() if isinstance(m, ReversibleSequence)]
     inner = {id(c) for m in sequences for c in m.modules() if c is not m and isinstance(c, ReversibleSequence)}
     spent = [0.0]
@@ -151,11 +153,6 @@ def phase_times(setup, rounds: int) -> dict[str, dict[str, float]]:
         setup.reset()
     return {name: {key: statistics.median(t[k] for t in parts) for k, key in enumerate(("forward_s", "backward_s", "blocks_s"))}
             for name, parts in times.items()}
-
-
-def _sync_for(device: torch.device | str):
-    device = torch.device(device)
-    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def floors(phases: dict[str, dict[str, float]]) -> dict[str, float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "float_dtype", "resolve_device"]
+__all__ = ["FLOAT_DTYPES", "float_dtype", "resolve_device", "synchronize"]
 
 FLOAT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -27,6 +27,14 @@ def resolve_device(device: torch.device | str = "auto") -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available; use 'cpu' or 'auto'")
     return dev
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait until ``device`` has run what was queued on it (CUDA); nothing to wait for elsewhere.
+    What a timer around device work calls before reading the clock."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def float_dtype(name: str | torch.dtype) -> torch.dtype:

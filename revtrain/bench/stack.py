@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from revtrain.bench.peers import PEERS, build_peer, peer_status
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes
-from revtrain.device import float_dtype, resolve_device
+from revtrain.device import float_dtype, resolve_device, synchronize
 from revtrain.memory import format_bytes, track_peak_memory
 from revtrain.timing import iqr
 
@@ -284,11 +284,6 @@ def _build_models(depth: int, config: StackBenchConfig, device: torch.device) ->
 # ----------------------------------------------------------------------------- one step
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _clear_grads(params: Sequence[Tensor], x: Tensor) -> None:
     for p in params:
         p.grad = None
@@ -307,10 +302,10 @@ def _timed_step(
 ) -> tuple[float, float]:
     """Wall seconds and process CPU seconds of one step."""
     _clear_grads(params, x)
-    _sync(device)
+    synchronize(device)
     cpu_start, start = time.process_time(), time.perf_counter()
     _step(model, x)
-    _sync(device)
+    synchronize(device)
     return time.perf_counter() - start, time.process_time() - cpu_start
 
 
