@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.function import check_state, run_reversible
-from revtrain.core.replay import RngState, submodules
+from revtrain.core.replay import RngState, own_trainable_params, submodules
 from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads, gives_owner_params
 
 __all__ = [
@@ -72,16 +72,9 @@ def normalize_mode(mode: str) -> Mode:
 
 
 def trainable_params(*modules: nn.Module) -> list[Tensor]:
-    """The parameters of ``modules`` that require grad, each once, in module order."""
-    seen: set[int] = set()
-    out: list[Tensor] = []
-    for module in modules:
-        for m in submodules(module):  # module.parameters(), walked without generators
-            for p in m._parameters.values():
-                if p is not None and p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-    return out
+    """The parameters of ``modules`` that require grad, each once, in module order
+    (``module.parameters()``, walked without generators)."""
+    return own_trainable_params(m for module in modules for m in submodules(module))
 
 
 def replay(state: RngState | None) -> contextlib.AbstractContextManager[None]:

@@ -30,7 +30,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from revtrain.core.randomness import no_module_draws_random_numbers
 
-__all__ = ["RngState", "AutocastState", "autocast_device_type", "ModuleTensors", "no_running_stat_updates", "submodules"]
+__all__ = ["RngState", "AutocastState", "autocast_device_type", "ModuleTensors", "no_running_stat_updates", "own_trainable_params", "submodules"]
 
 
 def submodules(module: nn.Module) -> list[nn.Module]:
@@ -48,6 +48,21 @@ def submodules(module: nn.Module) -> list[nn.Module]:
                 visit(child)
 
     visit(module)
+    return out
+
+
+def own_trainable_params(modules: Iterable[nn.Module]) -> list[Tensor]:
+    """The parameters that require grad held by ``modules`` themselves (each module's own, not
+    its children's: pass :func:`submodules` for a whole tree), each once, in order. One
+    definition for ``trainable_params`` and the walk of :class:`ModuleTensors`, which must agree
+    to the order (``revtrain.core.step.walk_gives_params``)."""
+    seen: set[int] = set()
+    out: list[Tensor] = []
+    for m in modules:
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
     return out
 
 
@@ -223,22 +238,18 @@ class ModuleTensors:
         # modules, this 11).
         entries: list[tuple[dict[str, Any], str, Tensor | None]] = []
         norms = []
-        params: list[Tensor] = []
         modules = submodules(module)
         for m in modules:
             d = m._parameters
             if d:
                 entries += [(d, name, t) for name, t in d.items()]
-                params += [t for t in d.values() if t is not None and t.requires_grad]
             d = m._buffers
             if d:
                 entries += [(d, name, t) for name, t in d.items()]
             if isinstance(m, _NormBase) and m.training and m.track_running_stats:
                 norms.append(m)
-        if len(params) > 1 and len({id(p) for p in params}) < len(params):  # shared parameters: once each
-            seen: set[int] = set()
-            params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]  # type: ignore[func-returns-value]
-        return cls(tuple(entries), tuple(norms), no_module_draws_random_numbers(modules[1:]), tuple(params))
+        return cls(tuple(entries), tuple(norms), no_module_draws_random_numbers(modules[1:]),
+                   tuple(own_trainable_params(modules)))
 
     def enter(self) -> list[tuple[dict[str, Any], str, Any]]:
         """Put the recorded tensors back in the modules (usually a no-op: nothing was swapped
