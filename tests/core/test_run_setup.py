@@ -76,6 +76,19 @@ def _captures(model: nn.Module, x: torch.Tensor, monkeypatch) -> int:
 X = torch.randn(2, 8, 5, 5)
 
 
+def _assert_same_as_plain(model: nn.Module, twin: nn.Module, x: torch.Tensor, seed: int, call=None) -> None:
+    """One step of ``model`` and of its C-mode ``twin`` on ``x`` from the same generator state
+    (``call(m, x)``, default ``m(x)``): equal input and parameter gradients, in float64."""
+    input_grads = []
+    for m in (model, twin):
+        torch.manual_seed(seed)
+        xi = x.clone().requires_grad_(True)
+        (m(xi) if call is None else call(m, xi)).square().sum().backward()
+        input_grads.append(xi.grad)
+    torch.testing.assert_close(input_grads[0], input_grads[1], rtol=1e-10, atol=1e-12)
+    assert_grads_close(grads(model), grads(twin), 1e-10)
+
+
 def test_blocks_of_torch_layers_capture_nothing(monkeypatch):
     assert _captures(_stack(), X, monkeypatch) == 0
 
@@ -126,16 +139,7 @@ def test_modules_that_draw_are_replayed_exactly(extra):
     """Where a module below may draw, the rebuild replays it: M-mode gradients equal plain
     autograd's from the same seed, in float64."""
     model = _stack(f_extra=extra, g_extra=extra, depth=4).double()
-    twin = plain_twin(model)
-    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
-    results = []
-    for m in (model, twin):
-        torch.manual_seed(11)
-        xi = x.clone().requires_grad_(True)
-        m(xi).square().sum().backward()
-        results.append(xi.grad)
-    torch.testing.assert_close(results[0], results[1], rtol=1e-10, atol=1e-12)
-    assert_grads_close(grads(model), grads(twin), 1e-10)
+    _assert_same_as_plain(model, plain_twin(model), torch.randn(2, 8, 5, 5, dtype=torch.float64), seed=11)
 
 
 def test_the_flag_is_only_set_around_a_random_free_step():
@@ -235,13 +239,7 @@ def test_a_forward_set_on_the_instance_is_not_trusted_and_replays_exactly(monkey
         _dropout_forward(block.f[0])
     assert _captures(model, X.double(), monkeypatch) == 6
     model.zero_grad(set_to_none=True)
-    x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
-    results = []
-    for m in (model, twin):
-        torch.manual_seed(3)
-        m(x.clone().requires_grad_(True)).square().sum().backward()
-        results.append(grads(m))
-    assert_grads_close(results[0], results[1], 1e-10)
+    _assert_same_as_plain(model, twin, torch.randn(2, 8, 5, 5, dtype=torch.float64), seed=3)
 
 
 def test_an_overridden_call_is_not_trusted():
@@ -287,16 +285,8 @@ def test_the_inverse_of_a_block_with_dropout_replays_exactly():
     forward: with dropout in F and G that rebuild must replay the generators too."""
     torch.manual_seed(0)
     block = ReversibleBlock(_fn(nn.Dropout(0.3)), _fn(nn.Dropout(0.3))).double()
-    twin = plain_twin(block)
     y = torch.randn(2, 8, 5, 5, dtype=torch.float64)
-    results = []
-    for b in (block, twin):
-        torch.manual_seed(5)
-        yi = y.clone().requires_grad_(True)
-        b.inverse(yi).square().sum().backward()
-        results.append((yi.grad, grads(b)))
-    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-10, atol=1e-12)
-    assert_grads_close(results[0][1], results[1][1], 1e-10)
+    _assert_same_as_plain(block, plain_twin(block), y, seed=5, call=lambda b, yi: b.inverse(yi))
 
 
 def test_a_parameter_of_a_block_subclass_used_by_f_gets_its_gradient():
@@ -327,11 +317,8 @@ def test_a_parameter_of_a_block_subclass_used_by_f_gets_its_gradient():
 
     # Built twice from one seed, not copied: F reads the gate through its own block.
     model, twin = build("M"), build("C")
-    for m in (model, twin):
-        torch.manual_seed(1)
-        m(torch.randn(2, 8, 5, 5, dtype=torch.float64, requires_grad=True)).square().sum().backward()
+    _assert_same_as_plain(model, twin, torch.randn(2, 8, 5, 5, dtype=torch.float64), seed=1)
     assert model[0].gate.grad is not None
-    assert_grads_close(grads(model), grads(twin), 1e-10)
 
 
 def test_an_instance_override_of_step_params_is_asked():
