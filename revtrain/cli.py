@@ -4,9 +4,9 @@
     revtrain models [pattern]     the model zoo with parameter counts
     revtrain sample --checkpoint  continue a text prompt with a trained language model
     revtrain plan [options]       choose M/C per reversible block for a memory budget
-    revtrain bench [options]      step time and memory of a reversible stack, four ways
+    revtrain bench SUITE          a benchmark suite (core, zoo, planner, petra, ...): results/ report
 
-Options of ``train``, ``plan`` and ``bench`` are the fields of their config dataclasses, with
+Options of ``train`` and ``plan`` are the fields of their config dataclasses, with
 the fields' docstrings as help (:mod:`revtrain.options`). Errors in what the user asked for (an unknown model, a missing
 dataset folder, a bad checkpoint, an impossible budget) print one message and exit with 2.
 """
@@ -28,14 +28,13 @@ __all__ = ["main"]
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
-# `revtrain bench` runs in seconds on a laptop CPU; benchmarks/core_stack.py has the full sizes.
-_BENCH_DEFAULTS = {"batch": 16, "channels": 32, "size": 16, "depths": (4, 8, 16), "repeats": 3}
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``revtrain`` command line; returns the exit status."""
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    given = list(argv) if argv is not None else sys.argv[1:]
+    args = parser.parse_args(given)
+    args.argv = given  # the words as typed, for commands that record them (bench)
     if not hasattr(args, "run"):
         parser.print_help()
         return EXIT_USAGE
@@ -92,7 +91,7 @@ def _build_parser() -> argparse.ArgumentParser:
                           description="Profile a zoo model, plan for a memory budget, measure the plan.")
     _wire_plan(plan)
 
-    bench = sub.add_parser("bench", help="time and memory of a reversible stack: M, C, plain, checkpoint")
+    bench = sub.add_parser("bench", help="run a benchmark suite and write its report (revtrain bench --help)")
     _wire_bench(bench)
     return parser
 
@@ -145,17 +144,10 @@ def _run_models(args: argparse.Namespace) -> int:
 
 
 def _wire_bench(parser: argparse.ArgumentParser) -> None:
-    from revtrain.bench import stack
+    from revtrain.bench import runner
 
-    _add_config_options(parser, stack.StackBenchConfig, defaults=_BENCH_DEFAULTS)
-
-    def run(args: argparse.Namespace) -> int:
-        options = {**_BENCH_DEFAULTS, **_given(args, stack.StackBenchConfig)}
-        rows = stack.run_stack_benchmark(stack.StackBenchConfig(**options), log=lambda line: print(line, flush=True))
-        print(stack.format_table(rows))
-        return 0
-
-    parser.set_defaults(run=run)
+    runner.add_arguments(parser)
+    parser.set_defaults(run=lambda args: runner.main(args, argv=args.argv[args.argv.index("bench") + 1:]))
 
 
 def _wire_plan(parser: argparse.ArgumentParser) -> None:

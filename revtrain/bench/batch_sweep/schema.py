@@ -1,7 +1,7 @@
 """What the planner benchmark is asked (:class:`PlannerBenchConfig`) and what it records.
 
 Rows and results are plain data with ``to_dict`` / ``from_dict``, so a results file can be read
-back and its tables drawn again without measuring (``benchmarks/planner_sweep.py --from-json``).
+back (``PlannerBenchResult.from_dict``).
 """
 
 from __future__ import annotations
@@ -64,8 +64,7 @@ class PlannerBenchConfig:
     """At most this many M/C pairs per block."""
     threads: int | None = 1
     """CPU intra-op threads during the run, restored afterwards. One by default: on a shared 2-core
-    machine two threads spin-wait for each other and timings become unusable under any load
-    (results/core_stack_cpu_findings.md)."""
+    machine two threads spin-wait for each other and timings become unusable under any load."""
     seed: int = 0
     """Seed of the model's weights and of the example batches."""
 

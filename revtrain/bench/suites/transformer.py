@@ -26,35 +26,30 @@ one step per method with gradients starting as None, as after ``zero_grad()``:
 ``kept`` = tensor bytes still alive after forward and loss (what is kept for backward: the
 activations), ``peak`` = the step's peak, parameter gradients included.
 
-    python benchmarks/transformer_memory.py --threads 1
-    python benchmarks/transformer_memory.py --depths 2 4 --seq-lens 128 256 --repeats 2 --out results/tmp/quick
+    revtrain bench transformer --threads 1
+    revtrain bench transformer --shapes 256 512 --repeats 5    # sequence lengths of the second sweep
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import os
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from revtrain.bench.machine import busy_machine_note, machine_info
-from revtrain.bench.results import write_result
-from revtrain.core import set_modes
-from revtrain.device import resolve_device, synchronize
+from revtrain import set_modes
+from revtrain.bench.report import Column, Report, Table
+from revtrain.device import synchronize
 from revtrain.memory import format_bytes, track_peak_memory
 from revtrain.models import RevTransformerLM, TransformerConfig, TransformerLM
 
-ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("plain", "checkpoint", "C", "M", "M-chunked", "reformer")
 REFERENCE = {"checkpoint": "plain", "M": "C", "M-chunked": "C", "reformer": "C"}
 
@@ -254,106 +249,44 @@ def seq_sweep(args, device, log) -> list[dict]:
     return rows
 
 
-def depth_table(rows: list[dict]) -> str:
-    lines = ["| depth | method | kept after forward | step peak | peak × plain | parameters | grad rel. err |",
-             "|---:|:---|---:|---:|---:|---:|---:|"]
-    plain = {r["depth"]: r["peak_bytes"] for r in rows if r["method"] == "plain"}
-    for r in rows:
-        err = "–" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.1e}"
-        lines.append(f"| {r['depth']} | {r['method']} | {format_bytes(r['kept_bytes'])} | {format_bytes(r['peak_bytes'])} "
-                     f"| {r['peak_bytes'] / plain[r['depth']]:.2f} | {format_bytes(r['param_bytes'])} | {err} |")
-    return "\n".join(lines)
-
-
-def seq_table(rows: list[dict]) -> str:
-    lines = ["| tokens | method | median ms | min ms | time × plain | CPU time × plain | kept after forward "
-             "| step peak | peak × plain | grad rel. err |", "|---:|:---|" + "---:|" * 8]
-    for r in rows:
-        err = "–" if r["grad_rel_err"] is None else f"{r['grad_rel_err']:.1e}"
-        lines.append(f"| {r['seq_len']} | {r['method']} | {r['time_median_s'] * 1e3:.0f} | {r['time_min_s'] * 1e3:.0f} "
-                     f"| {r['time_ratio']:.2f} | {r['cpu_time_ratio']:.2f} | {format_bytes(r['kept_bytes'])} "
-                     f"| {format_bytes(r['peak_bytes'])} | {r['peak_ratio']:.2f} | {err} |")
-    return "\n".join(lines)
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda[:N]")
-    p.add_argument("--width", type=int, default=128, help="features per stream")
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8, 16, 24], help="depth sweep: layers")
-    p.add_argument("--depth-seq-len", type=int, default=512, help="depth sweep: tokens per sequence")
-    p.add_argument("--batch", type=int, default=4, help="depth sweep: sequences per batch")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[256, 512, 1024, 2048], help="sequence sweep: tokens")
-    p.add_argument("--seq-depth", type=int, default=4, help="sequence sweep: layers")
-    p.add_argument("--seq-batch", type=int, default=2, help="sequence sweep: sequences per batch")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS, help="sequence sweep methods")
-    p.add_argument("--chunks", type=int, default=8, help="feed-forward chunks of the M-chunked method")
-    p.add_argument("--repeats", type=int, default=3, help="timed steps per method and length")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds before timing")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's); 1 on a busy machine")
-    p.add_argument("--out", type=Path, default=None, help="results path without suffix "
-                   "(default: results/transformer_memory_<device>)")
-    args = p.parse_args(argv)
-    if "plain" not in args.methods:
-        p.error("--methods must include plain: ratios are taken against it")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    device = resolve_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
-    if os.getpriority(os.PRIO_PROCESS, 0) != 0:
-        command = f"nice -n {os.getpriority(os.PRIO_PROCESS, 0)} {command}"
-    _, anchor_note = _reformer_sequence()
-    if "reformer" not in args.methods:
-        anchor_note = "reformer anchor not requested"
-    before = machine_info(device)
-    print(f"{device} ({before.get('gpu') or before['cpu']}), load average {before['load_average']}; {anchor_note}", flush=True)
-    start = time.perf_counter()
-    log = lambda line: print(line, flush=True)  # noqa: E731
-    depth_rows = depth_sweep(args, device, log) if args.depths else []
-    seq_rows = seq_sweep(args, device, log) if args.seq_lens else []
-    wall = time.perf_counter() - start
-    after = machine_info(device)
-    note = busy_machine_note(before, after, "Read ratios, not absolute times; memory figures are unaffected by load.")
-    meta = {"command": command, "machine": before, "machine_after": after, "wall_s": wall, "note": note,
-            "anchor": anchor_note, "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    info = before
-    md = [
-        "# Reversible Transformer: memory and step time",
-        "",
-        f"Byte-level LM (`TransformerConfig`: width {args.width} per stream, {args.heads} heads, feed-forward 4x, "
-        f"vocabulary 256, learned positions, dropout 0, float32). Step = forward + cross-entropy + backward. "
-        "'kept after forward' = tensor bytes alive after forward and loss (what backward will use); 'step peak' = "
-        "the highest tensor bytes during the step, parameter gradients included (gradients start as None). "
-        f"Depth sweep: batch {args.batch} x {args.depth_seq_len} tokens. Sequence sweep: {args.seq_depth} layers, "
-        f"batch {args.seq_batch}, median of {args.repeats} timed steps after {args.warmup} warm-up round(s), methods "
-        f"interleaved round-robin; M-chunked = feed-forward in {args.chunks} slices. 'grad rel. err' = relative L2 "
-        "distance of all parameter gradients from the reference (M, M-chunked, reformer: C; checkpoint: plain).",
-        "",
-        f"- command: `{command}`",
-        f"- device: {info['device']} ({info.get('gpu') or info['cpu']}), torch {info['torch']}, "
-        f"{info['torch_threads']} threads, {info['cpu_count']} CPUs",
-        f"- date: {info['date']}; wall time {wall:.0f} s",
-        f"- load average (1/5/15 min) before: {info['load_average']}, after: {after['load_average']}",
-        f"- outside anchor: {anchor_note}",
-    ]
-    if note:
-        md += ["", f"**Note:** {note}"]
-    if depth_rows:
-        md += ["", "## Depth sweep (memory)", "", depth_table(depth_rows)]
-    if seq_rows:
-        md += ["", "## Sequence-length sweep (memory and time)", "", seq_table(seq_rows)]
-    text = "\n".join(md) + "\n"
-    print(text)
-    out = args.out or ROOT / "results" / f"transformer_memory_{device.type}"
-    write_result(out, text, {**meta, "depth_rows": depth_rows, "seq_rows": seq_rows})
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def run(options, device: torch.device, out: Path, log) -> Report:
+    quick = options.quick
+    args = SimpleNamespace(
+        width=16 if quick else 128, heads=2 if quick else 4, chunks=2 if quick else 8,
+        depths=(1, 2) if quick else (2, 4, 8, 16, 24), depth_seq_len=16 if quick else 512, batch=2 if quick else 4,
+        seq_lens=tuple(int(s) for s in options.shapes) or ((16, 32) if quick else (256, 512, 1024, 2048)),
+        seq_depth=2 if quick else 4, seq_batch=2, repeats=options.pick(3, 2),
+        warmup=options.warmup if options.warmup is not None else 1,
+        methods=list(METHODS),
+    )
+    anchor_cls, anchor_note = _reformer_sequence()
+    depth_rows = depth_sweep(args, device, log)
+    seq_rows = seq_sweep(args, device, log)
+    plain = {r["depth"]: r["peak_bytes"] for r in depth_rows if r["method"] == "plain"}
+    for r in depth_rows:
+        r["peak_x_plain"] = r["peak_bytes"] / plain[r["depth"]]
+    for r in seq_rows:
+        r.pop("times_s")
+    depth = Table(
+        "depth", "Depth sweep (memory)",
+        [Column("depth", "layers", "int"), Column("method", "method"), Column("kept_bytes", "kept after forward", "bytes"),
+         Column("peak_bytes", "step peak", "bytes"), Column("peak_x_plain", "peak × plain", "ratio"),
+         Column("param_bytes", "parameters", "bytes"), Column("grad_rel_err", "grad rel. err", "sci")],
+        depth_rows, note=f"Batch {args.batch} × {args.depth_seq_len} tokens.")
+    seq = Table(
+        "seq_len", "Sequence-length sweep (memory and time)",
+        [Column("seq_len", "tokens", "int"), Column("method", "method"), Column("time_median_s", "median step", "ms"),
+         Column("time_ratio", "time × plain", "ratio"), Column("cpu_time_ratio", "CPU time × plain", "ratio"),
+         Column("kept_bytes", "kept after forward", "bytes"), Column("peak_bytes", "step peak", "bytes"),
+         Column("peak_ratio", "peak × plain", "ratio"), Column("grad_rel_err", "grad rel. err", "sci")],
+        seq_rows,
+        note=(f"{args.seq_depth} layers, batch {args.seq_batch}; median of {args.repeats} timed steps after "
+              f"{args.warmup} warm-up round(s), methods interleaved round-robin; M-chunked = feed-forward in "
+              f"{args.chunks} slices."))
+    intro = (f"Byte-level LM (`TransformerConfig`: width {args.width} per stream, {args.heads} heads, feed-forward 4x, "
+             "vocabulary 256, learned positions, dropout 0, float32). Step = forward + cross-entropy + backward. "
+             "'kept after forward' = tensor bytes alive after forward and loss (what backward will use); 'step peak' = "
+             "the highest tensor bytes during the step, parameter gradients included. 'grad rel. err' = relative L2 "
+             "distance of all parameter gradients from the reference (M, M-chunked, reformer: C; checkpoint: plain).")
+    return Report("transformer", "Reversible Transformer: memory and step time against its plain twin", {},
+                  [depth, seq], intro=intro, notes=[f"outside anchor: {anchor_note}"])

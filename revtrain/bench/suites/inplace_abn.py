@@ -12,37 +12,33 @@ A step is forward, cross-entropy, backward and an SGD (momentum) step. Per batch
 every method's gradients against ``plain`` (relative L2 <= 1e-2 in float32, else it stops), times
 ``--repeats`` rounds of steps with the methods interleaved round-robin (rotating start) after
 ``--warmup`` untimed rounds, then measures one step per method under
-``revtrain.memory.track_peak_memory``. Results: ``results/inplace_abn_<device>.md`` and ``.json``.
+``revtrain.memory.track_peak_memory``.
 
-    python benchmarks/inplace_abn.py                                    # resnext29, CIFAR size
-    python benchmarks/inplace_abn.py --batch-sizes 16 64 --repeats 7
-    python benchmarks/inplace_abn.py --model resnext101 --size 224 --device cuda --batch-sizes 32 64
+    revtrain bench inplace_abn                                   # resnext29, CIFAR size
+    revtrain bench inplace_abn --shapes 16 64 --repeats 7        # batch sizes
+    revtrain bench inplace_abn --models resnext101 --device cuda --shapes 32 64
 """
 
 from __future__ import annotations
 
-import argparse
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from revtrain.bench.machine import busy_machine_note, machine_info
-from revtrain.bench.results import write_result
-from revtrain.core import set_modes
+from revtrain import set_modes
+from revtrain.bench.report import Column, Report, Table
 from revtrain.device import synchronize
 from revtrain.layers import BatchNormLeakyReLU, InPlaceABN
-from revtrain.memory import format_bytes, track_peak_memory
+from revtrain.memory import track_peak_memory
 from revtrain.models.resnext import ResNeXt
 
-ROOT = Path(__file__).resolve().parent.parent
 SLOPE = 0.01
 MODELS = {
     "resnext29": dict(units=(3, 3, 3), cardinality=8, group_width=4, stem="cifar"),
@@ -57,20 +53,6 @@ METHODS: dict[str, tuple[Callable[[int], nn.Module], str | None]] = {
     "plain, in-place": (partial(BatchNormLeakyReLU, slope=SLOPE, inplace=True), None),
 }
 REFERENCE = "plain"
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=list(MODELS), default="resnext29")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32])
-    parser.add_argument("--size", type=int, default=32, help="input height and width")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per batch size")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds per batch size")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: steady on a shared machine)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=None, help="path without suffix")
-    return parser.parse_args(argv)
 
 
 def build_models(model: str, device: torch.device, seed: int) -> dict[str, nn.Module]:
@@ -112,7 +94,7 @@ def check_gradients(models: dict[str, nn.Module], x: torch.Tensor, y: torch.Tens
     return errors
 
 
-def measure(args: argparse.Namespace, batch: int, device: torch.device) -> list[dict]:
+def measure(args: SimpleNamespace, batch: int, device: torch.device) -> list[dict]:
     models = build_models(args.model, device, args.seed)
     gen = torch.Generator().manual_seed(args.seed + batch)
     x = torch.randn(batch, 3, args.size, args.size, generator=gen).to(device)
@@ -152,67 +134,31 @@ def measure(args: argparse.Namespace, batch: int, device: torch.device) -> list[
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    lines = [
-        "| batch | method | step (median) | ÷ plain | ÷ plain, paired | CPU time ÷ plain | peak memory | ÷ plain | grad rel. error |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+def run(options, device: torch.device, out: Path, log) -> Report:
+    model = options.models[0] if options.models else "resnext29"
+    if model not in MODELS or len(options.models) > 1:
+        raise ValueError(f"the inplace_abn suite measures one of {', '.join(MODELS)}; got {', '.join(options.models)}")
+    quick = options.quick
+    args = SimpleNamespace(model=model, size=8 if quick else 32 if model == "resnext29" else 224, seed=0,
+                           repeats=options.pick(5, 1), warmup=options.warmup if options.warmup is not None else 1)
+    batches = tuple(int(s) for s in options.shapes) or ((2,) if quick else (16, 32))
+    rows = []
+    for batch in batches:
+        rows += measure(args, batch, device)
+        log(f"batch {batch}: " + ", ".join(f"{r['method']} {r['time_ratio_paired']:.2f}x" for r in rows[-len(METHODS):]))
     for r in rows:
-        lines.append(
-            f"| {r['batch']} | {r['method']} | {r['time_median_s'] * 1e3:.0f} ms | {r['time_ratio']:.2f} "
-            f"| {r['time_ratio_paired']:.2f} | {r['cpu_ratio']:.2f} | {format_bytes(r['peak_bytes'])} "
-            f"| {r['peak_ratio']:.2f} | {r['grad_rel_error']:.1e} |"
-        )
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads)
-    try:
-        before = machine_info(device)
-        start = time.perf_counter()
-        rows = [row for batch in args.batch_sizes for row in measure(args, batch, device)]
-        elapsed = time.perf_counter() - start
-        after = machine_info(device)
-    finally:
-        torch.set_num_threads(threads)
-    table = format_table(rows)
-    print(table)
-    command = "python " + shlex.join([sys.argv[0] if argv is None else "benchmarks/inplace_abn.py",
-                                      *(sys.argv[1:] if argv is None else argv)])
-    note = busy_machine_note(before, after, "Read the ratios (paired and CPU time) rather than absolute times.")
-    out = args.out or ROOT / "results" / f"inplace_abn_{device.type}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    cfg = MODELS[args.model]
-    md = [
-        "# In-place ABN benchmark",
-        "",
-        f"`{args.model}` ({cfg}), input 3x{args.size}x{args.size}, float32, {args.threads} thread(s) "
-        f"on {device}. Step = forward + cross-entropy + backward + SGD step. Median of {args.repeats} "
-        f"rounds after {args.warmup} warm-up round(s), methods interleaved round-robin; 'paired' = "
-        "median of per-round ratios. Peak = tensor bytes allocated during one step above what was "
-        "live before it (parameters excluded; gradients, optimizer temporaries and activations "
-        "included), `revtrain.memory`. Gradients checked against `plain` before timing.",
-        "",
-        table,
-        "",
-        *( [f"**Note:** {note}", ""] if note else [] ),
-        f"Machine: {before['cpu']}, {before['cpu_count']} cores, torch {before['torch']}. "
-        f"Load average before {before['load_average']}, after {after['load_average']}. "
-        f"Took {elapsed:.0f} s.",
-        "",
-        f"Command: `{command}`",
-        "",
-    ]
-    write_result(out, "\n".join(md), dict(
-        config=vars(args) | {"out": str(out)}, model=cfg, rows=rows, machine_before=before,
-        machine_after=after, command=command, elapsed_s=elapsed, note=note))
-    return rows
-
-
-if __name__ == "__main__":
-    main()
+        r.pop("times_s")
+    table = Table(
+        "steps", "Step time and peak memory per method",
+        [Column("batch", "batch", "int"), Column("method", "method"), Column("time_median_s", "median step", "ms"),
+         Column("time_ratio", "÷ plain", "ratio"), Column("time_ratio_paired", "÷ plain, paired", "ratio"),
+         Column("cpu_ratio", "CPU time ÷ plain", "ratio"), Column("peak_bytes", "peak memory", "bytes"),
+         Column("peak_ratio", "÷ plain", "ratio"), Column("grad_rel_error", "grad rel. error", "sci")],
+        rows)
+    intro = (f"`{model}` ({MODELS[model]}), input 3×{args.size}×{args.size}, float32. Step = forward + cross-entropy "
+             f"+ backward + SGD step. Median of {args.repeats} rounds after {args.warmup} warm-up round(s), methods "
+             "interleaved round-robin; 'paired' = median of per-round ratios. Peak = tensor bytes allocated during one "
+             "step above what was live before it (parameters excluded; gradients, optimizer temporaries and "
+             "activations included). Gradients checked against `plain` before timing.")
+    return Report("inplace_abn", "In-place ABN: ResNeXt in M- and C-mode against BatchNorm + LeakyReLU", {},
+                  [table], intro=intro)

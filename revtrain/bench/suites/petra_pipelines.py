@@ -24,23 +24,21 @@ Every configuration runs ``--rounds`` times, the order rotating between rounds s
 from other processes on a shared machine hits all of them alike; the best round is reported
 (as ``timeit`` does) and every round is listed.
 
-    flock /tmp/revtrain-cpu.lock python benchmarks/petra_throughput.py            # J = 2 and 4
-    python benchmarks/petra_throughput.py --stages 2 --batches 12 --out results/x
+It uses the parallel package's internals (its pipeline engine, the measured split), so it runs
+only inside ``revtrain bench petra`` (not ``--quick``), where a change of the engine shows.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shlex
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from collections.abc import Callable
 from typing import Any
 
@@ -49,9 +47,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from revtrain.bench import machine_info
-from revtrain.core import set_modes
-from revtrain.memory import format_bytes, track_peak_memory
+from revtrain import set_modes
+from revtrain.memory import track_peak_memory
 from revtrain.models import create_model
 from revtrain.parallel import PetraConfig, split_model
 from revtrain.parallel.distributed import DistributedPipeline
@@ -59,40 +56,21 @@ from revtrain.parallel.runner import measured_split
 from revtrain.tasks import Classification
 from revtrain.train.optim import param_groups
 
-ROOT = Path(__file__).resolve().parent.parent
+def default_args(**changes: Any) -> SimpleNamespace:
+    """The measurement's settings (RevNet-38, batch 64, 32x32, J = 2 and 4, 2 rounds), with ``changes``."""
+    base = dict(model="revnet38", image_size=32, batch_size=64, stages=[2, 4], batches=16, warmup=2, microbatches=4,
+                methods=["plain", "concurrent", "petra", "gpipe", "1f1b"], modes=["C", "M"], extra_petra_splits=[],
+                petra_microbatched=True, rounds=2, quiet_load=1.2)
+    return SimpleNamespace(**{**base, **changes})
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="revnet38")
-    p.add_argument("--image-size", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--stages", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--batches", type=int, default=16, help="timed batches per configuration")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before timing (plain, pipelining)")
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step of GPipe and 1F1B")
-    p.add_argument("--methods", nargs="+", default=["plain", "concurrent", "petra", "gpipe", "1f1b"])
-    p.add_argument("--modes", nargs="+", default=["C", "M"], help="block modes to run PETRA, GPipe and 1F1B with")
-    p.add_argument("--extra-petra-splits", nargs="*", default=[],
-                   help="explicit splits (e.g. 3,6) to run PETRA with as well, besides the measured balanced one")
-    p.add_argument("--petra-microbatched", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run PETRA on batches of batch/microbatches with k=microbatches (the same effective "
-                        "batch and step memory class as GPipe and 1F1B)")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="run every configuration this many times (rotating order); the best is reported")
-    p.add_argument("--quiet-load", type=float, default=1.2,
-                   help="wait (up to 3 min) until the 1-min load average is below this before measuring")
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "petra_throughput_cpu")
-    return p.parse_args(argv)
-
-
-def _batch(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(args: SimpleNamespace) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=gen)
     return x, torch.randint(0, 10, (args.batch_size,), generator=gen)
 
 
-def _model(args: argparse.Namespace, modes: str = "C") -> torch.nn.Module:
+def _model(args: SimpleNamespace, modes: str = "C") -> torch.nn.Module:
     torch.manual_seed(0)
     model = create_model(args.model)
     set_modes(model, modes)
@@ -112,7 +90,7 @@ def _static_bytes(module: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
 # -- one process per configuration ---------------------------------------------------------------
 
 
-def plain_rank(rank: int, world: int, args: argparse.Namespace, out: str) -> None:
+def plain_rank(rank: int, world: int, args: SimpleNamespace, out: str) -> None:
     model, (x, y) = _model(args), _batch(args)
     opt = _sgd(model)
 
@@ -133,7 +111,7 @@ def plain_rank(rank: int, world: int, args: argparse.Namespace, out: str) -> Non
                        "peak_bytes": mem.peak_bytes, "static_bytes": _static_bytes(model, opt)})
 
 
-def petra_rank(rank: int, world: int, args: argparse.Namespace, split: list[int], modes: str, k: int,
+def petra_rank(rank: int, world: int, args: SimpleNamespace, split: list[int], modes: str, k: int,
                out: str) -> None:
     model, (x, y) = _model(args, modes), _batch(args)
     stages = split_model(model, world, split)
@@ -175,7 +153,7 @@ def _breakdown(timings: list[Any], ticks: list[float], busy: range) -> dict[str,
     return {k: statistics.median(v) for k, v in parts.items()}
 
 
-def pipelining_rank(rank: int, world: int, args: argparse.Namespace, split: list[int], kind: str, modes: str,
+def pipelining_rank(rank: int, world: int, args: SimpleNamespace, split: list[int], kind: str, modes: str,
                     out: str) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -252,7 +230,7 @@ def _wait_for_quiet(limit: float, longest_s: float = 180.0) -> None:
         time.sleep(5)
 
 
-def _configurations(args: argparse.Namespace) -> list[tuple[str, int, Callable[[], dict[str, Any]]]]:
+def _configurations(args: SimpleNamespace) -> list[tuple[str, int, Callable[[], dict[str, Any]]]]:
     """``(method, J, run)`` for every configuration; ``run()`` starts fresh processes and returns a row."""
     configs: list[tuple[str, int, Callable[[], dict[str, Any]]]] = []
     if "plain" in args.methods:
@@ -272,13 +250,13 @@ def _configurations(args: argparse.Namespace) -> list[tuple[str, int, Callable[[
         splits = {mo: measured_split(_model(args, mo), j, _batch(args)[0]) for mo in dict.fromkeys(["C", *args.modes])}
         extra = [[int(c) for c in text.split(",")] for text in args.extra_petra_splits]
         m = args.microbatches
-        small = argparse.Namespace(**{**vars(args), "batch_size": args.batch_size // m})
+        small = SimpleNamespace(**{**vars(args), "batch_size": args.batch_size // m})
         petra_runs = [(mo, splits[mo], f"balanced split {splits[mo]}", args, 1) for mo in args.modes]
         petra_runs += [("C", e, f"explicit split {e}", args, 1) for e in extra if len(e) == j]
         petra_runs += [(mo, splits[mo], f"batch {small.batch_size} × k={m}, as the micro-batches", small, m)
                        for mo in args.modes if args.petra_microbatched]
         for modes, petra_split, how, run_args, k in petra_runs if "petra" in args.methods else []:
-            def petra(j: int = j, run_args: argparse.Namespace = run_args, petra_split: list[int] = petra_split,
+            def petra(j: int = j, run_args: SimpleNamespace = run_args, petra_split: list[int] = petra_split,
                       modes: str = modes, k: int = k) -> dict[str, Any]:
                 ranks = _run(petra_rank, j, run_args, petra_split, modes, k)
                 return {"split": petra_split, "samples_per_s": ranks[0]["steady_samples_per_s"],
@@ -297,90 +275,27 @@ def _configurations(args: argparse.Namespace) -> list[tuple[str, int, Callable[[
     return configs
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def measure_throughput(args: SimpleNamespace, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Every configuration ``args.rounds`` times in a rotating order; per configuration its best round."""
     _wait_for_quiet(args.quiet_load)
-    before = machine_info("cpu")
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    configs = _configurations(args)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
-    for r in range(args.rounds):  # rounds with a rotating order: other load hits every method alike
-        order = configs[r % len(configs):] + configs[: r % len(configs)]
-        for name, j, run in order:
-            runs[name].append(run())
-            print(f"round {r + 1}: {name} J={j}: {runs[name][-1]['samples_per_s']:.1f} samples/s", flush=True)
+    try:
+        configs = _configurations(args)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+        for r in range(args.rounds):  # rounds with a rotating order: other load hits every method alike
+            order = configs[r % len(configs):] + configs[: r % len(configs)]
+            for name, j, run in order:
+                runs[name].append(run())
+                log(f"round {r + 1}: {name} J={j}: {runs[name][-1]['samples_per_s']:.1f} samples/s")
+    finally:
+        torch.set_num_threads(threads)
     rows = []
     for name, j, _ in configs:
         best = max(runs[name], key=lambda row: row["samples_per_s"])
         rows.append({"method": name, "J": j, **best, "rounds": [x["samples_per_s"] for x in runs[name]]})
-    after = machine_info("cpu")
     plain = next((row for row in rows if row["method"] == "plain backprop"), None)
     for row in rows:
         if plain:
             row["speedup"] = row["samples_per_s"] / plain["samples_per_s"]
-        row["goal"] = 0.56 * row["J"] if row["method"].startswith("PETRA") else None
-    command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])
-    result = {"command": command, "machine_before": before, "machine_after": after, "args": {
-        k: str(v) for k, v in vars(args).items()}, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    args.out.with_suffix(".md").write_text(_markdown(result))
-    print(_markdown(result))
-    return 0
-
-
-def _markdown(result: dict[str, Any]) -> str:
-    a = result["args"]
-    lines = [
-        f"# PETRA throughput: {a['model']}, batch {a['batch_size']}, {a['image_size']}x{a['image_size']}, "
-        "one thread per process (CPU)",
-        "",
-        f"Command: `{result['command']}`  ",
-        f"Machine: {result['machine_before']['cpu']}, {result['machine_before']['cpu_count']} cores, torch "
-        f"{result['machine_before']['torch']}; 1-min load average before {result['machine_before']['load_average']}, "
-        f"after {result['machine_after']['load_average']}",
-        "",
-        "| method | J | samples/s (best of rounds; all rounds) | × plain | goal | per-worker memory (params + optimizer + peak of a step) |",
-        "|---|---:|---:|---:|---:|---|",
-    ]
-    for r in result["rows"]:
-        sps = f"**{r['samples_per_s']:.1f}** ({', '.join(f'{x:.1f}' for x in r['rounds'])})"
-        if "epoch_samples_per_s" in r:
-            sps += f"; epoch {r['epoch_samples_per_s']:.1f}"
-        goal = f"≥ {r['goal']:.2f}×" if r.get("goal") else ""
-        mem = ", ".join(format_bytes(b) for b in r["per_worker_bytes"])
-        speedup = f"{r['speedup']:.2f}×" if "speedup" in r else "—"
-        lines.append(f"| {r['method']} | {r['J']} | {sps} | {speedup} | {goal} | {mem} |")
-    lines += ["", "PETRA's samples/s is the steady state (every stage busy with one forward and one backward "
-              "per tick; median tick); 'epoch' includes the pipeline's warm-up and drain over "
-              f"{a['batches']} batches + 2(J-1). GPipe and 1F1B cut each batch into {a['microbatches']} "
-              "micro-batches and flush every step. 'PETRA (batch B/m × k=m)' runs PETRA on micro-batch-sized "
-              "batches, averaging k=m of them per update: the same effective batch per update as GPipe and 1F1B "
-              "and the same size of the tensors a step moves and keeps. Per-worker memory is what a worker's "
-              "tensors take at its peak (parameters, optimizer state, activations, kept inputs, messages).", ""]
-    lines += _breakdown_markdown(result["rows"])
-    return "\n".join(lines)
-
-
-def _breakdown_markdown(rows: list[dict[str, Any]]) -> list[str]:
-    """Per PETRA row (its best round) and stage: median milliseconds of a steady-state tick."""
-    petra = [r for r in rows if "breakdown" in r]
-    if not petra:
-        return []
-    lines = ["## Where a steady-state tick goes (PETRA, best round, median ms per tick)", "",
-             "| method | stage | tick | forward | backward (+ update) | compute CPU | exchange (comm + wait) | other |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in petra:
-        for s, b in enumerate(r["breakdown"]):
-            ms = {k: f"{v * 1e3:.1f}" for k, v in b.items()}
-            lines.append(f"| {r['method']} | {s} | {ms['tick']} | {ms['forward']} | {ms['backward']} | "
-                         f"{ms['compute_cpu']} | {ms['exchange']} | {ms['other']} |")
-    lines += ["", "forward: the last stage's forward, loss and backward; compute CPU: the computing thread's CPU "
-              "time (below forward + backward: the stage waited for a core); exchange: posting the tick's "
-              "sends and receives and waiting for the receives (communication, and idling for the slower "
-              "neighbour); other: the rest of the tick (reading the batch, Python).", ""]
-    return lines
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return rows

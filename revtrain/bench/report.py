@@ -1,0 +1,169 @@
+"""One result schema for every benchmark suite, and one writer for it.
+
+A suite returns a :class:`Report`: a header (machine, device, torch version, date, command,
+load average) and one or more :class:`Table` of flat rows (plain scalars, one dict per row).
+:func:`write_report` writes ``<out>.md`` (what a reader reads: the header, then each table with
+its note), ``<out>.csv`` (every row of every table, with ``suite``, ``device`` and ``table``
+columns first) and, on request, ``<out>.json`` (the header and every table's rows).
+
+An interval is three keys in a row, ``name``, ``name_low`` and ``name_high``; a column of kind
+``"interval"`` prints them as ``1.330 [1.260, 1.410]``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from revtrain.memory import format_bytes
+from revtrain.timing import MedianInterval
+
+__all__ = ["Column", "Table", "Report", "write_report", "render_markdown", "interval_cells", "HEADER_KEYS"]
+
+HEADER_KEYS = ("suite", "device", "hardware", "torch", "threads", "date", "command", "load_before",
+               "load_after", "wall_s")
+"""What every report's header holds (more keys may follow)."""
+
+_FORMATS: dict[str, Callable[[Any], str]] = {
+    "bytes": lambda v: format_bytes(int(v)),
+    "ms": lambda v: f"{v * 1e3:.1f} ms",
+    "s": lambda v: f"{v:.2f} s",
+    "ratio": lambda v: f"{v:.2f}",
+    "ratio3": lambda v: f"{v:.3f}",
+    "pct": lambda v: f"{v:.2%}",
+    "int": lambda v: f"{int(v)}",
+    "sci": lambda v: f"{v:.1e}",
+    "text": str,
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a markdown table: the row key, its heading and how to print it."""
+
+    key: str
+    heading: str
+    kind: str = "text"
+    """One of ``bytes``, ``ms`` (seconds shown in ms), ``s``, ``ratio`` (2 decimals), ``ratio3``,
+    ``pct``, ``int``, ``sci``, ``text``, ``interval`` (``key``, ``key_low``, ``key_high``), or
+    a format spec such as ``.1f``."""
+
+    def cell(self, row: Mapping[str, Any]) -> str:
+        value = row.get(self.key)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return "–"
+        if self.kind == "interval":
+            low, high = row.get(f"{self.key}_low"), row.get(f"{self.key}_high")
+            return f"{value:.3f}" if low is None else f"{value:.3f} [{low:.3f}, {high:.3f}]"
+        fmt = _FORMATS.get(self.kind)
+        return fmt(value) if fmt else format(value, self.kind)
+
+
+@dataclass
+class Table:
+    """Rows of one kind of measurement, with the columns the markdown shows."""
+
+    name: str
+    """Short key (the CSV's ``table`` column)."""
+    title: str
+    columns: Sequence[Column]
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    note: str = ""
+    """What the table measures and how to read it (markdown, printed above the table)."""
+
+    def markdown(self) -> str:
+        lines = ["| " + " | ".join(c.heading for c in self.columns) + " |",
+                 "|" + "|".join("---" if c.kind == "text" else "---:" for c in self.columns) + "|"]
+        lines += ["| " + " | ".join(c.cell(r) for c in self.columns) + " |" for r in self.rows]
+        return "\n".join(lines)
+
+
+@dataclass
+class Report:
+    """What a suite measured: a header and its tables."""
+
+    suite: str
+    title: str
+    header: dict[str, Any]
+    tables: list[Table]
+    intro: str = ""
+    """What was measured and how (markdown)."""
+    notes: list[str] = field(default_factory=list)
+    """Warnings and facts about this run (a busy machine, a peer library not installed)."""
+    figures: list[str] = field(default_factory=list)
+    """Files written beside the report (plots), by name."""
+    appendix: str = ""
+    """Markdown printed after the tables (e.g. what each run printed)."""
+
+    def table(self, name: str) -> Table:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(f"report {self.suite!r} has no table {name!r}; it has {[t.name for t in self.tables]}")
+
+
+def interval_cells(key: str, interval: MedianInterval) -> dict[str, float]:
+    """The three row keys of an interval column."""
+    return {key: interval.median, f"{key}_low": interval.low, f"{key}_high": interval.high}
+
+
+def render_markdown(report: Report) -> str:
+    h = report.header
+    lines = [f"# {report.title}", ""]
+    if report.intro:
+        lines += [report.intro, ""]
+    lines += [
+        f"- command: `{h.get('command', '')}`",
+        f"- device: {h.get('device')} ({h.get('hardware')}), torch {h.get('torch')}, "
+        f"{h.get('threads')} thread(s), {h.get('cpu_count')} CPUs",
+        f"- date: {h.get('date')}; wall {h.get('wall_s', 0):.0f} s; load average before "
+        f"{h.get('load_before')}, after {h.get('load_after')}",
+    ]
+    if h.get("commit"):
+        lines.append(f"- revtrain at commit {h['commit']}")
+    lines += [f"- {n}" for n in report.notes]
+    for t in report.tables:
+        lines += ["", f"## {t.title}", ""]
+        if t.note:
+            lines += [t.note, ""]
+        lines.append(t.markdown())
+    if report.figures:
+        lines += ["", "Figures: " + ", ".join(f"`{f}`" for f in report.figures)]
+    if report.appendix:
+        lines += ["", report.appendix]
+    return "\n".join(lines) + "\n"
+
+
+def _csv_rows(report: Report) -> tuple[list[str], list[dict[str, Any]]]:
+    keys: dict[str, None] = dict.fromkeys(("suite", "device", "table"))
+    rows = []
+    for t in report.tables:
+        for r in t.rows:
+            keys.update(dict.fromkeys(r))
+            rows.append({"suite": report.suite, "device": report.header.get("device_label"), "table": t.name, **r})
+    return list(keys), rows
+
+
+def write_report(report: Report, out: Path, *, json_too: bool = False) -> list[Path]:
+    """Write ``out``.md and ``out``.csv (and ``out``.json when ``json_too``); returns the paths."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    md, csv_path = out.with_name(out.name + ".md"), out.with_name(out.name + ".csv")
+    md.write_text(render_markdown(report))
+    keys, rows = _csv_rows(report)
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    paths = [md, csv_path]
+    if json_too:
+        path = out.with_name(out.name + ".json")
+        payload = {"suite": report.suite, "header": report.header, "notes": report.notes,
+                   "tables": [{"name": t.name, "title": t.title, "rows": t.rows} for t in report.tables]}
+        path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+        paths.append(path)
+    return paths

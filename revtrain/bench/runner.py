@@ -1,0 +1,211 @@
+"""``revtrain bench SUITE``: one runner, shared options, one report per suite and machine kind.
+
+Every suite is a module of :mod:`revtrain.bench.suites` with ``run(options, device, out, log) ->
+Report``; :data:`SUITES` says what each answers. The runner parses the shared options,
+times the run, fills the report's header (machine, device, torch version, date, command, load
+average before and after) and writes ``<out>.md`` and ``<out>.csv`` (:mod:`revtrain.bench.report`).
+By default ``<out>`` is ``results/<suite>_<device>`` (``cpu``, ``cuda_h100``, ...); a ``--quick``
+run writes under ``results/tmp/`` so that it never replaces a full report.
+
+    revtrain bench core --quick              # a smoke run: < 2 minutes on 2 CPU cores
+    revtrain bench core                      # the full grid: methods x shapes
+    revtrain bench zoo --models revnet38 revnet110
+    revtrain bench all --device cuda         # every suite, on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from revtrain.bench.machine import BUSY_LOAD_PER_CORE, machine_info
+from revtrain.bench.report import Report, write_report
+from revtrain.device import resolve_device
+
+__all__ = ["SUITES", "BenchOptions", "add_arguments", "device_label", "main", "run_suite", "suite_module"]
+
+SUITES: dict[str, str] = {
+    "core": "M-mode against plain autograd, C-mode, checkpointing and the peer libraries, per shape: time and memory",
+    "zoo": "every reversible zoo model in M- and C-mode and its plain twin: step time and step memory",
+    "planner": "the plan's speed-up over all-M and the memory it keeps under the budget, across batch sizes",
+    "petra": "PETRA's throughput against plain backprop, GPipe and 1F1B; its accuracy; memory per stage",
+    "transformer": "the reversible Transformer against its plain twin and checkpointing: memory by depth and length",
+    "inplace_abn": "ResNeXt with In-place ABN in M- and C-mode against BatchNorm + LeakyReLU: time and memory",
+    "compile": "what torch.compile (revtrain train --compile) gains on a training run",
+    "train": "the README's training commands as a user runs them: accuracy, time, step memory",
+}
+"""Every suite and the question it answers, in the order ``all`` runs them."""
+
+Log = Callable[[str], None]
+
+
+@dataclass(kw_only=True)
+class BenchOptions:
+    """The options every suite shares; a suite reads those that apply to it."""
+
+    device: str = "auto"
+    """auto (CUDA when available), cpu, cuda or cuda:N."""
+    models: tuple[str, ...] = ()
+    """Zoo models to measure (zoo, planner, compile, petra, train); default the suite's."""
+    shapes: tuple[str, ...] = ()
+    """Shapes to measure, in the suite's form: core BATCHxCHANNELSxSIZExDEPTH, zoo SIDE:BATCH,
+    planner and inplace_abn batch sizes, transformer SEQ_LEN; default the suite's grid."""
+    methods: tuple[str, ...] = ()
+    """core only: methods beyond the default (M-nocheck, M-check4, M-exact, M-overlap, M-chain)."""
+    repeats: int | None = None
+    """Timed rounds per measurement; default the suite's."""
+    warmup: int | None = None
+    """Untimed steps before timing; default the suite's."""
+    threads: int | None = None
+    """CPU threads during the run (torch.set_num_threads); default torch's."""
+    quick: bool = False
+    """A smoke run: the smallest grid, few repeats, written under results/tmp/ by default."""
+    out: str | None = None
+    """Path of the report without suffix; default results/<suite>_<device> (results/tmp/... with --quick)."""
+    json: bool = False
+    """Also write <out>.json (header and every row)."""
+
+    def pick(self, full: int, quick: int) -> int:
+        """``repeats`` when given, else ``quick`` or ``full`` by ``self.quick``."""
+        return self.repeats if self.repeats is not None else (quick if self.quick else full)
+
+
+def suite_module(name: str) -> ModuleType:
+    """The module of suite ``name`` (imported on demand, so a suite's imports cost only its runs);
+    raises ``ValueError`` naming the suites for an unknown one."""
+    if name not in SUITES:
+        raise ValueError(f"unknown benchmark suite {name!r}; choose from {', '.join(SUITES)} (or all)")
+    return importlib.import_module(f"revtrain.bench.suites.{name}")
+
+
+def device_label(info: dict) -> str:
+    """``cpu``, or ``cuda_`` and the GPU's model (``cuda_h100`` for an NVIDIA H100 80GB HBM3)."""
+    if "gpu" not in info:
+        return "cpu"
+    words = re.findall(r"[a-z]+\d+[a-z]*", info["gpu"].lower())
+    return "cuda_" + (words[0] if words else re.sub(r"\W+", "_", info["gpu"].lower()).strip("_"))
+
+
+def _commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() or None
+
+
+def run_suite(name: str, options: BenchOptions, *, command: str | None = None, log: Log = print) -> tuple[Report, list[Path]]:
+    """Run suite ``name`` with ``options``; write its report; return it and the files written."""
+    module = suite_module(name)
+    device = resolve_device(options.device)
+    threads_before = torch.get_num_threads()
+    if options.threads is not None:
+        if options.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {options.threads}")
+        torch.set_num_threads(options.threads)
+    try:
+        before = machine_info(device)
+        label = device_label(before)
+        if options.out:
+            out = Path(options.out)
+        else:
+            out = Path("results") / ("tmp" if options.quick else "") / f"{name}_{label}"
+        log(f"revtrain bench {name}: {device} ({before.get('gpu') or before['cpu']}), load average "
+            f"{before['load_average']}")
+        start = time.perf_counter()
+        report: Report = module.run(options, device, out, log)
+        wall = time.perf_counter() - start
+        after = machine_info(device)
+    finally:
+        torch.set_num_threads(threads_before)
+    nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0
+    report.header = {
+        "suite": name, "device": str(device), "device_label": label, "hardware": before.get("gpu") or before["cpu"],
+        "torch": before["torch"], "python": before["python"], "threads": before["torch_threads"],
+        "cpu_count": before["cpu_count"], "date": before["date"],
+        "command": (f"nice -n {nice} " if nice else "") + (command or f"revtrain bench {name}"),
+        "load_before": before["load_average"], "load_after": after["load_average"], "wall_s": round(wall, 1),
+        "commit": _commit(), "env": before["env"], **report.header,
+    }
+    loads = [x["load_average"][0] for x in (before, after) if x["load_average"]]
+    cores = before["cpu_count"] or 1
+    if device.type == "cpu" and loads and max(loads) - before["torch_threads"] > BUSY_LOAD_PER_CORE * cores:
+        report.notes.append(f"the machine was busy (1-minute load average {loads}, the run's own threads "
+                            f"{before['torch_threads']}, {cores} cores): read the ratios, not the times")
+    paths = write_report(report, out, json_too=options.json)
+    log("wrote " + ", ".join(str(p) for p in paths))
+    return report, paths
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The runner's options on ``parser`` (the CLI's ``bench`` and ``benchmarks/run.py`` share them)."""
+    lines = [f"  {name:12s} {question}" for name, question in SUITES.items()]
+    parser.description = "Run one benchmark suite (or all) and write results/<suite>_<device>.md and .csv."
+    parser.epilog = "suites:\n" + "\n".join(lines)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("suite", choices=[*SUITES, "all"], help="which suite to run")
+    defaults = BenchOptions()
+    parser.add_argument("--device", default=defaults.device, help=_doc("device"))
+    parser.add_argument("--models", nargs="+", default=(), help=_doc("models"))
+    parser.add_argument("--shapes", nargs="+", default=(), help=_doc("shapes"))
+    parser.add_argument("--methods", nargs="+", default=(), help=_doc("methods"))
+    parser.add_argument("--repeats", type=int, default=None, help=_doc("repeats"))
+    parser.add_argument("--warmup", type=int, default=None, help=_doc("warmup"))
+    parser.add_argument("--threads", type=int, default=None, help=_doc("threads"))
+    parser.add_argument("--quick", action="store_true", help=_doc("quick"))
+    parser.add_argument("--out", default=None, help=_doc("out"))
+    parser.add_argument("--json", action="store_true", help=_doc("json"))
+
+
+def _doc(name: str) -> str:
+    """The field docstrings above, as --help (read from the source, one place)."""
+    return _FIELD_HELP.get(name, "")
+
+
+def _field_help() -> dict[str, str]:
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(BenchOptions))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    found = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            found[stmt.target.id] = " ".join(str(nxt.value.value).split())  # type: ignore[union-attr]
+    return found
+
+
+_FIELD_HELP = _field_help()
+
+
+def main(args: argparse.Namespace, *, prog: str = "revtrain bench", argv: Sequence[str] | None = None) -> int:
+    """Run the suite(s) ``args`` names (parsed by a parser given :func:`add_arguments`)."""
+    options = BenchOptions(device=args.device, models=tuple(args.models), shapes=tuple(args.shapes),
+                           methods=tuple(args.methods), repeats=args.repeats, warmup=args.warmup,
+                           threads=args.threads, quick=args.quick, out=args.out, json=args.json)
+    for name in ("repeats", "warmup"):
+        value = getattr(options, name)
+        if value is not None and value < (1 if name == "repeats" else 0):
+            raise ValueError(f"--{name} must be at least {1 if name == 'repeats' else 0}, got {value}")
+    given = list(argv) if argv is not None else sys.argv[1:]
+    names = SUITES if args.suite == "all" else (args.suite,)
+    if args.suite == "all" and options.out:
+        raise ValueError("--out names one report; with `all` leave it out (each suite writes results/<suite>_<device>)")
+    rest = [a for a in given if a != args.suite]  # the options, as given
+    for name in names:
+        command = f"{prog} {shlex.join([name, *rest])}"
+        run_suite(name, options, command=command, log=lambda line: print(line, flush=True))
+    return 0
