@@ -113,13 +113,14 @@ def test_train_with_check_every_from_the_command_line(capsys: pytest.CaptureFixt
     assert "check_every must be an integer >= 0" in err
 
 
-def test_bench_runs_with_small_options(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("revtrain.bench.stack", reason="revtrain.bench is not installed")
-    argv = ["bench", "--depths", "2", "--repeats", "1", "--warmup", "0", "--batch", "2", "--channels", "4",
-            "--size", "4", "--methods", "plain", "M", "--device", "cpu", "--no-measure-memory"]
+def test_bench_runs_a_suite_with_small_options(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "core"
+    argv = ["bench", "core", "--shapes", "2x4x4x2", "--repeats", "2", "--warmup", "0", "--device", "cpu",
+            "--out", str(out)]
     assert main(argv) == 0
-    table = capsys.readouterr().out
-    assert "| 2 | plain |" in table and "| 2 | M |" in table
+    table = out.with_name("core.md").read_text()
+    assert "| 2x4x4x2 | plain |" in table and "| 2x4x4x2 | M |" in table
+    assert f"wrote {out}.md" in capsys.readouterr().out
 
 
 def test_plan_subcommand_is_wired(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,106 @@
+"""A --quick smoke run of every suite, smaller still where a suite allows: complete rows, sane
+memory order where it is deterministic, files written. No timing is asserted."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+
+from revtrain.bench import OURS, BenchOptions, installed_peers, run_suite
+from revtrain.bench.suites import compile as compile_suite
+
+
+def _run(name: str, tmp_path: Path, **options):
+    report, paths = run_suite(name, BenchOptions(quick=True, device="cpu", out=str(tmp_path / name), **options),
+                              log=lambda _: None)
+    assert [p.name for p in paths] == [f"{name}.md", f"{name}.csv"]
+    with paths[1].open() as f:
+        assert len(list(csv.DictReader(f))) == sum(len(t.rows) for t in report.tables)
+    return report
+
+
+def test_core(tmp_path: Path) -> None:
+    report = _run("core", tmp_path, shapes=("2x8x4x2",), repeats=3, warmup=0)
+    methods = [*OURS, *installed_peers()]
+    steps = report.table("steps").rows
+    assert [r["method"] for r in steps] == methods
+    for r in steps:
+        assert r["time_x_plain_low"] <= r["time_x_plain"] <= r["time_x_plain_high"] and r["rounds"] == 3
+        assert r["peak_bytes"] > 0
+    by = {r["method"]: r for r in steps}
+    assert by["M"]["peak_bytes"] < by["plain"]["peak_bytes"]  # activations rebuilt, not kept
+    versus = report.table("m_versus").rows
+    assert [r["versus"] for r in versus] == [m for m in methods if m != "M"]
+    assert all(r["verdict"] in ("faster", "slower", "no difference shown") for r in versus)
+
+
+def test_zoo(tmp_path: Path) -> None:
+    report = _run("zoo", tmp_path, models=("revnet38",), shapes=("8:4",), repeats=1, warmup=1)
+    (row,) = report.table("steps").rows
+    assert (row["model"], row["twin"], row["input"], row["batch"]) == ("revnet38", "resnet32", "8×8", 4)
+    assert all(row[k] > 0 for k in ("M_step_s", "C_step_s", "twin_step_s", "M_over_C", "M_nocheck_over_C"))
+    assert 0 < row["M_peak_bytes"] < row["C_peak_bytes"]
+    (phase,) = report.table("phases").rows
+    assert 0 < phase["C_blocks_s"] < phase["C_forward_s"]  # the stem, head and loss run outside the blocks
+    assert 1 < phase["floor"] < 2 and 1 < phase["floor_graph"] < 2
+
+
+def test_planner(tmp_path: Path) -> None:
+    report = _run("planner", tmp_path)
+    plans = report.table("plan").rows
+    assert [r["batch"] for r in plans] == [2, 4]
+    for r in plans:
+        assert r["plan_peak_bytes"] <= r["budget_bytes"] and r["C_blocks"] <= r["blocks"]
+    assert len(report.table("settings").rows) == 4 * len(plans)
+    assert any("within the budget" in n for n in report.notes)
+
+
+def test_transformer(tmp_path: Path) -> None:
+    report = _run("transformer", tmp_path, shapes=("16",), repeats=1, warmup=0)
+    depth = {(r["depth"], r["method"]): r for r in report.table("depth").rows}
+    assert depth[2, "M"]["kept_bytes"] < depth[2, "plain"]["kept_bytes"]
+    assert {r["method"] for r in report.table("seq_len").rows} >= {"plain", "checkpoint", "C", "M", "M-chunked"}
+
+
+def test_inplace_abn(tmp_path: Path) -> None:
+    report = _run("inplace_abn", tmp_path, repeats=1, warmup=0)
+    rows = report.table("steps").rows
+    assert [r["method"] for r in rows] == ["iabn M", "iabn M (recompute)", "iabn C", "plain", "plain, in-place"]
+    assert all(r["grad_rel_error"] < 1e-2 and r["peak_bytes"] > 0 for r in rows)
+
+
+def test_train(tmp_path: Path) -> None:
+    (row,) = _run("train", tmp_path).table("runs").rows
+    assert row["run"] == "digits-revnet38" and row["metric"] == "test acc"
+    assert 0 <= row["value"] <= 1 and 0 < row["step_peak_bytes"] < row["plain_backprop_peak_bytes"]
+
+
+@pytest.mark.multiprocess
+def test_petra(tmp_path: Path) -> None:
+    report = _run("petra", tmp_path)
+    assert [r["run"] for r in report.table("accuracy").rows] == ["backprop (J=1)", "PETRA J=2"]
+    stages = report.table("stages").rows
+    assert [(r["run"], r["stage"]) for r in stages] == [("backprop (J=1)", 0), ("PETRA J=2", 0), ("PETRA J=2", 1)]
+
+
+def test_compile_reads_the_gain_and_compilation_time_from_the_two_runs(tmp_path: Path, monkeypatch) -> None:
+    """The suite's arithmetic on two runs' metrics (a real compiled run takes minutes on a CPU:
+    tests/test_compilation.py checks that compiling works)."""
+    runs = {"eager": [4.0, 2.0, 2.2], "compiled": [30.0, 1.0, 1.2]}
+    commands = []
+
+    def fake_run(command: str, run_dir: Path, device=None) -> dict:
+        commands.append(command)
+        epochs = runs["compiled" if "--compile" in command.split() else "eager"]
+        records = [{"epoch": i, "epoch_train_time_s": t, "samples_per_s": 100 / t, "test_acc": 0.5} for i, t in enumerate(epochs)]
+        return {"records": records, "wall_s": sum(epochs), "summary": {}, "tail": []}
+
+    monkeypatch.setattr(compile_suite, "train_run", fake_run)
+    report = _run("compile", tmp_path)
+    eager, compiled = report.table("runs").rows
+    assert commands[0].endswith("--no-compile") and commands[1].endswith("--compile")
+    assert math.isclose(compiled["gain"], 2.1 / 1.1) and math.isclose(compiled["compile_s"], 30.0 - 1.1)
+    assert eager["epoch1_s"] == 4.0 and compiled["test_accuracy"] == 0.5
