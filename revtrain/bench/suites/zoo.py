@@ -94,7 +94,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
         cases += [(name, shape, batch) for shape, batch in shapes]
     repeats = options.pick(7, 2)
     warmup = options.warmup if options.warmup is not None else 1 if options.quick else 2
-    phase_rounds = 2 if options.quick else 20
+    phase_rounds = 2 if options.quick else 10
     steps, phases = [], []
     for name, shape, batch in cases:
         row, split = measure_case(name, shape, batch, device, repeats, warmup, phase_rounds)
@@ -112,8 +112,8 @@ def run(options, device: torch.device, out: Path, log) -> Report:
          Column("M_peak_bytes", "M step memory", "bytes"), Column("C_peak_bytes", "C step memory", "bytes"),
          Column("twin_peak_bytes", "twin step memory", "bytes")],
         steps,
-        note=(f"Medians of whole SGD steps, M and C alternating in rounds ({repeats} at least, more until each median "
-              "is known to 2%); M / C: median of the per-round ratios. Step memory: the peak of one step with "
+        note=(f"Medians of whole SGD steps, M and C alternating in rounds ({repeats} at least, up to {2 * repeats} "
+              "until each median is known to 2%); M / C: median of the per-round ratios. Step memory: the peak of one step with "
               "parameters, gradients and optimizer state (the planner's step memory)."),
     )
     phase_table = Table(
@@ -147,7 +147,7 @@ def measure_case(name: str, shape: tuple[int, ...], batch: int, device: torch.de
     model = create_model_for(name, spec)
     split = None
     with prepare(model, example, loss_fn=loss, device=device, repeats=repeats, warmup=warmup,
-                 max_repeats=max(repeats, 4 * repeats)) as setup:
+                 max_repeats=2 * repeats) as setup:
         modes = measure_steps(setup, {"M": "M", "C": "C"})
         set_rebuild_checks(model, 0)
         unchecked = measure_steps(setup, {"M": "M", "C": "C"})
@@ -158,7 +158,7 @@ def measure_case(name: str, shape: tuple[int, ...], batch: int, device: torch.de
     torch.manual_seed(0)
     twin = create_model_for(twin_name, spec)
     with prepare(twin, example, loss_fn=loss, device=device, repeats=repeats, warmup=warmup,
-                 max_repeats=max(repeats, 4 * repeats)) as setup:
+                 max_repeats=2 * repeats) as setup:
         plain = measure_steps(setup, {"plain": None})["plain"]
     m, c = modes["M"], modes["C"]
     label = "×".join(map(str, shape[1:])) if len(shape) == 3 else f"{shape[0]} tokens"
