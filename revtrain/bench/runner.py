@@ -10,6 +10,7 @@ run writes under ``results/tmp/`` so that it never replaces a full report.
     revtrain bench core --quick              # a smoke run: < 2 minutes on 2 CPU cores
     revtrain bench core                      # the full grid: methods x shapes
     revtrain bench zoo --models revnet38 revnet110
+    revtrain bench core zoo                  # two suites, one after the other
     revtrain bench all --device cuda         # every suite, on a GPU
 """
 
@@ -156,7 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = "Run one benchmark suite (or all) and write results/<suite>_<device>.md and .csv."
     parser.epilog = "suites:\n" + "\n".join(lines)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("suite", choices=[*SUITES, "all"], help="which suite to run")
+    parser.add_argument("suite", nargs="+", choices=[*SUITES, "all"],
+                        help="which suite(s) to run, one after another (all: every suite)")
     defaults = BenchOptions()
     parser.add_argument("--device", default=defaults.device, help=_doc("device"))
     parser.add_argument("--models", nargs="+", default=(), help=_doc("models"))
@@ -201,10 +203,10 @@ def main(args: argparse.Namespace, *, prog: str = "revtrain bench", argv: Sequen
         if value is not None and value < (1 if name == "repeats" else 0):
             raise ValueError(f"--{name} must be at least {1 if name == 'repeats' else 0}, got {value}")
     given = list(argv) if argv is not None else sys.argv[1:]
-    names = SUITES if args.suite == "all" else (args.suite,)
-    if args.suite == "all" and options.out:
-        raise ValueError("--out names one report; with `all` leave it out (each suite writes results/<suite>_<device>)")
-    rest = [a for a in given if a != args.suite]  # the options, as given
+    names = list(SUITES) if "all" in args.suite else list(dict.fromkeys(args.suite))
+    if len(names) > 1 and options.out:
+        raise ValueError("--out names one report; with several suites leave it out (each writes results/<suite>_<device>)")
+    rest = [a for a in given if a not in args.suite]  # the options, as given
     for name in names:
         command = f"{prog} {shlex.join([name, *rest])}"
         run_suite(name, options, command=command, log=lambda line: print(line, flush=True))

@@ -83,6 +83,7 @@ def test_the_cli_runs_a_suite_and_records_its_command(tmp_path: Path, capsys) ->
     (["bench", "core", "--methods", "M-fast"], "unknown method"),
     (["bench", "zoo", "--models", "resnet32"], "resnet32 has no reversible layers"),
     (["bench", "all", "--out", "x"], "--out names one report"),
+    (["bench", "core", "zoo", "--out", "x"], "--out names one report"),
 ])
 def test_bad_options_are_refused_with_the_fix(argv, match, tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
