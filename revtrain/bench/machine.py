@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["machine_info", "machine_line", "cpu_model", "load_average", "busy_machine_note", "BUSY_LOAD_PER_CORE"]
+__all__ = ["machine_info", "cpu_model", "load_average", "BUSY_LOAD_PER_CORE"]
 
 BUSY_LOAD_PER_CORE = 0.5
 """Load average per core above which other processes are taken to have shared the cores."""
@@ -55,7 +55,7 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "device": str(dev),
         "load_average": load_average(),
-        # Settings that change CPU timings: thread counts and glibc's allocator (see benchmarks/README).
+        # Settings that change CPU timings: thread counts and glibc's allocator.
         "env": {k: v for k, v in os.environ.items() if k in _TIMING_ENV or k.startswith("MALLOC_")},
     }
     if dev.type == "cuda":
@@ -69,35 +69,3 @@ def machine_info(device: torch.device | str) -> dict[str, Any]:
             cudnn=torch.backends.cudnn.version(),
         )
     return info
-
-
-def machine_line(before: dict[str, Any], after: dict[str, Any], wall_s: float) -> str:
-    """The results files' machine line from :func:`machine_info` records taken around a run."""
-    return (
-        f"- torch {before['torch']}, {before['torch_threads']} threads, {before['cpu_count']} CPUs; "
-        f"load average before {before['load_average']}, after {after['load_average']}; wall "
-        f"{wall_s:.0f} s"
-    )
-
-
-def busy_machine_note(before: dict[str, Any], after: dict[str, Any], advice: str) -> str | None:
-    """A warning for a results file when other processes shared the cores, else ``None``.
-
-    ``before`` and ``after`` are :func:`machine_info` records taken around the measurement. The
-    load before counts as is; the load after includes the measurement's own threads, which are
-    subtracted, so that a run on an idle machine is not reported as busy because of itself.
-    """
-    cores = before.get("cpu_count") or 1
-    own = before.get("torch_threads") or 1
-    loads = [i["load_average"][0] for i in (before, after) if i.get("load_average")]
-    others = []
-    if before.get("load_average"):
-        others.append(before["load_average"][0])
-    if after.get("load_average"):
-        others.append(max(0.0, after["load_average"][0] - own))
-    if not others or max(others) <= BUSY_LOAD_PER_CORE * cores:
-        return None
-    return (
-        f"The machine was busy: 1-minute load average {', '.join(f'{x:.2f}' for x in loads)} "
-        f"(before, after; the run itself adds up to {own}) on {cores} cores. {advice}"
-    )

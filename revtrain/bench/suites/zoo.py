@@ -90,7 +90,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
             raise ValueError(f"{name} has no reversible layers; the zoo suite measures reversible models "
                              f"({', '.join(CASES)}) against their twins")
         shapes = [_parse_case(s, name) for s in options.shapes] if options.shapes else \
-            (QUICK_CASES.get(name) or CASES.get(name) or ((model_info(name).inputs.shape, 8),))
+            ((QUICK_CASES if options.quick else CASES).get(name) or ((model_info(name).inputs.shape, 8),))
         cases += [(name, shape, batch) for shape, batch in shapes]
     repeats = options.pick(7, 2)
     warmup = options.warmup if options.warmup is not None else 1 if options.quick else 2
