@@ -72,7 +72,8 @@ class BenchOptions:
     threads: int | None = None
     """CPU threads during the run (torch.set_num_threads); default torch's."""
     quick: bool = False
-    """A smoke run: the smallest grid, few repeats, written under results/tmp/ by default."""
+    """A smoke run: the smallest grid, few repeats, one CPU thread unless --threads says otherwise,
+    written under results/tmp/ by default."""
     out: str | None = None
     """Path of the report without suffix; default results/<suite>_<device> (results/tmp/... with --quick)."""
     json: bool = False
@@ -113,10 +114,11 @@ def run_suite(name: str, options: BenchOptions, *, command: str | None = None, l
     module = suite_module(name)
     device = resolve_device(options.device)
     threads_before = torch.get_num_threads()
-    if options.threads is not None:
-        if options.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {options.threads}")
-        torch.set_num_threads(options.threads)
+    threads = options.threads if options.threads is not None else 1 if options.quick and device.type == "cpu" else None
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
     try:
         before = machine_info(device)
         label = device_label(before)
