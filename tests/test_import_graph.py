@@ -117,10 +117,11 @@ FLOORS = {
     "models": 4,
     "tasks": 5,
     "planner": 6,
-    "train": 7, "bench": 7, "revtrain": 7,
+    "train": 7, "revtrain": 7,
     "options": 8,
     "parallel": 9,
-    "cli": 10,
+    "bench": 10,
+    "cli": 11,
 }
 
 
