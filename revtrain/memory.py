@@ -39,7 +39,7 @@ from __future__ import annotations
 import re
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 from functools import partial
@@ -47,9 +47,11 @@ from typing import Any, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "PeakMemory",
+    "kept_tensors",
     "track_peak_memory",
     "measure_peak",
     "format_bytes",
@@ -75,6 +77,33 @@ class PeakMemory:
         self._peak = 0
         self._end: int | None = None
         self._live: Callable[[], tuple[int, int]] | None = None
+        self._adopt: Callable[[list[torch.Tensor]], int] | None = None
+        self._watch: Callable[[list[list[torch.Tensor]]], Callable[[], list[torch.Tensor]]] | None = None
+        self._reset: Callable[[], None] | None = None
+
+    def adopt(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Count tensors that existed before the block as live from now on, as if allocated here,
+        so that their frees lower the count too; returns the bytes added (their unique storages
+        not yet counted). Inside the block only. On CUDA the allocator already counts every
+        tensor: nothing is added (returns 0)."""
+        if self._adopt is None:
+            raise RuntimeError("adopt() works inside the tracked block only")
+        return self._adopt([t for t in tensors if isinstance(t, torch.Tensor)])
+
+    def watch(self, groups: Iterable[Iterable[torch.Tensor]]) -> Callable[[], list[torch.Tensor]]:
+        """Note which groups of existing tensors (e.g. the cache entries of :func:`kept_tensors`)
+        the block's ops read from now on; returns a function giving every still-alive tensor of
+        each group read so far (to :meth:`adopt` them). On CUDA the allocator counts them anyway:
+        the function gives none."""
+        if self._watch is None:
+            raise RuntimeError("watch() works inside the tracked block only")
+        return self._watch([[t for t in g if isinstance(t, torch.Tensor)] for g in groups])
+
+    def reset_peak(self) -> None:
+        """Start the peak afresh from the bytes live now (inside the block only)."""
+        if self._reset is None:
+            raise RuntimeError("reset_peak() works inside the tracked block only")
+        self._reset()
 
     @property
     def peak_bytes(self) -> int:
@@ -148,12 +177,51 @@ class _StorageTracker(TorchDispatchMode):
         # finalizer alive; the storage's Python object is preserved by PyTorch as long
         # as any tensor uses it, so the finalizer runs exactly when the memory is freed.
         self._tracked: dict[int, tuple[weakref.ref[Any], int]] = {}
+        # Existing tensors being watched for reads (by storage pointer), and those read.
+        self._watched: dict[int, int] = {}  # storage pointer -> group
+        self._used: dict[int, int] = {}
 
     def _on_free(self, key: int, _ref: weakref.ref[Any]) -> None:
         entry = self._tracked.get(key)
         if entry is not None and entry[0] is _ref:
             del self._tracked[key]
             self.live -= entry[1]
+
+    def adopt(self, tensors: list[torch.Tensor]) -> int:
+        """Track the storages of existing tensors (on this device type) as live."""
+        before = self.live
+        for t in tensors:
+            if t.layout == torch.strided and t.device.type == self.device_type:
+                for st in _storages(t):
+                    if st.nbytes():
+                        self._add(st, True)
+        self.peak = max(self.peak, self.live)
+        return self.live - before
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def watch(self, groups: list[list[torch.Tensor]]) -> Callable[[], list[torch.Tensor]]:
+        """Record which groups of tensors (by storage) ops read from now on."""
+        refs = [[weakref.ref(t) for t in g if t.layout == torch.strided] for g in groups]
+        for k, g in enumerate(groups):
+            for t in g:
+                if t.layout == torch.strided and t.device.type == self.device_type and t.untyped_storage().nbytes():
+                    self._watched[t.untyped_storage().data_ptr()] = k
+
+        def used() -> list[torch.Tensor]:
+            alive = (ref() for k in sorted(set(self._used.values())) for ref in refs[k])
+            return [t for t in alive if t is not None]
+
+        return used
+
+    def _note_reads(self, args: Any, kwargs: Any) -> None:
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+                ptr = leaf.untyped_storage().data_ptr()
+                group = self._watched.pop(ptr, None)
+                if group is not None:
+                    self._used[ptr] = group
 
     def _add(self, st: torch.UntypedStorage, fresh: bool) -> None:
         key = id(st)
@@ -194,6 +262,8 @@ class _StorageTracker(TorchDispatchMode):
                 self._add_result(item, fresh)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self._watched:
+            self._note_reads(args, kwargs)
         out = func(*args, **(kwargs or {}))
         aliasing = _ALIAS_CACHE.get(func)
         if aliasing is None:
@@ -225,6 +295,9 @@ def _tracked_resize(st: torch.UntypedStorage, size: int) -> Any:
 def _track_cpu(result: PeakMemory) -> Iterator[PeakMemory]:
     tracker = _StorageTracker(result.device.type)
     result._live = lambda: (tracker.live, tracker.peak)
+    result._adopt = tracker.adopt
+    result._watch = tracker.watch
+    result._reset = tracker.reset_peak
     if not _ACTIVE_CPU:
         torch.UntypedStorage.resize_ = _tracked_resize  # type: ignore[method-assign, assignment]
     _ACTIVE_CPU.append(tracker)
@@ -235,7 +308,7 @@ def _track_cpu(result: PeakMemory) -> Iterator[PeakMemory]:
         _ACTIVE_CPU.remove(tracker)
         if not _ACTIVE_CPU:
             torch.UntypedStorage.resize_ = _ORIG_RESIZE  # type: ignore[method-assign]
-        result._live = None
+        result._live = result._adopt = result._watch = result._reset = None
         result._peak, result._end = tracker.peak, tracker.live
 
 
@@ -265,14 +338,22 @@ def _track_cuda(result: PeakMemory) -> Iterator[PeakMemory]:
         peak = max(max_seen[0], torch.cuda.max_memory_allocated(index))
         return torch.cuda.memory_allocated(index) - baseline, peak - baseline
 
+    def reset() -> None:
+        torch.cuda.synchronize(index)
+        torch.cuda.reset_peak_memory_stats(index)
+        max_seen[0] = torch.cuda.memory_allocated(index)
+
     result._live = live
+    result._adopt = lambda tensors: 0
+    result._watch = lambda tensors: list
+    result._reset = reset
     try:
         yield result
     finally:
         torch.cuda.synchronize(index)
         stack.remove(max_seen)
         result._end, result._peak = live()
-        result._live = None
+        result._live = result._adopt = result._watch = result._reset = None
 
 
 def _as_device(device: torch.device | str | int) -> torch.device:
@@ -312,6 +393,75 @@ def track_peak_memory(
             )
         return _track_cuda(PeakMemory(dev, "cuda-allocator"))
     return _track_cpu(PeakMemory(dev, "cpu-dispatch"))
+
+
+def kept_tensors(*roots: Any, packages: tuple[str, ...] = ("revtrain",), depth: int = 6) -> list[list[torch.Tensor]]:
+    """Tensors kept alive between calls, in cache entries: what a library keeps at module level
+    (the globals of the loaded modules of ``packages``) or as plain attributes of an ``nn.Module``
+    among ``roots`` (not its parameters or buffers, which are registered).
+
+    Returns one list of tensors per **entry**: each value of a module-level dict (a cache keyed
+    by shape holds one entry per key), each element of a module-level list or tuple, each
+    non-registered attribute of a module. An entry's tensors are used together, so a step that
+    reads one of them holds them all.
+
+    The walk descends into dicts, lists, tuples, sets and objects of classes defined in
+    ``packages`` (their ``__dict__`` and ``__slots__``), to ``depth`` levels; it does not enter
+    other libraries' objects, classes, functions or modules.
+    """
+    seen: set[int] = set()
+
+    def ours(obj: Any) -> bool:
+        return type(obj).__module__.split(".")[0] in packages and not isinstance(obj, type) and not callable(obj)
+
+    def collect(obj: Any, level: int, out: list[torch.Tensor]) -> None:
+        if level > depth or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif isinstance(obj, dict):
+            for v in list(obj.values()):
+                collect(v, level + 1, out)
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for v in list(obj):
+                collect(v, level + 1, out)
+        elif ours(obj):
+            for v in list(getattr(obj, "__dict__", {}).values()):
+                collect(v, level + 1, out)
+            for slot in getattr(type(obj), "__slots__", ()):
+                if hasattr(obj, slot):
+                    collect(getattr(obj, slot), level + 1, out)
+
+    entries: list[list[torch.Tensor]] = []
+
+    def entry(obj: Any) -> None:
+        found: list[torch.Tensor] = []
+        collect(obj, 0, found)
+        if found:
+            entries.append(found)
+
+    for root in roots:
+        if isinstance(root, torch.nn.Module):
+            for m in root.modules():
+                for k, v in vars(m).items():
+                    if k not in ("_parameters", "_buffers", "_modules") and not isinstance(v, torch.nn.Module):
+                        entry(v)
+        else:
+            entry(root)
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".")[0] not in packages:
+            continue
+        for v in list(vars(module).values()):
+            if isinstance(v, dict):
+                for item in list(v.values()):
+                    entry(item)
+            elif isinstance(v, (list, tuple, set)):
+                for item in list(v):
+                    entry(item)
+            elif isinstance(v, torch.Tensor) or ours(v):
+                entry(v)
+    return entries
 
 
 def measure_peak(fn: Callable[[], T], device: torch.device | str | int = "cpu") -> tuple[T, int]:

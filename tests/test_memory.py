@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -213,3 +215,36 @@ def test_process_peak_rss_is_a_plausible_number():
     if rss is None:
         pytest.skip("no resource module on this platform")
     assert 10 * 2**20 < rss < 2**40  # the interpreter with torch loaded
+
+
+def test_adopted_tensors_count_as_live_and_their_frees_are_seen():
+    kept = [torch.empty(1000, 1000)]
+    with track_peak_memory("cpu") as mem:
+        assert mem.adopt([kept[0], kept[0].view(-1)]) == MB4  # one storage, counted once
+        kept.clear()  # freed inside the block: the count drops
+        assert mem.end_bytes == 0
+        b = torch.empty(500, 1000)
+        mem.reset_peak()
+        assert mem.peak_bytes == MB4 // 2
+        del b
+    assert mem.peak_bytes == MB4 // 2 and mem.end_bytes == 0
+
+
+def test_kept_tensors_finds_caches_at_module_level_and_on_modules_not_parameters():
+    import types
+
+    from revtrain.memory import kept_tensors
+
+    lib = types.ModuleType("revtrain._cache_for_test")
+    lib.cache = {("k", 1): [torch.ones(3), torch.ones(2)]}
+    sys.modules[lib.__name__] = lib
+    try:
+        layer = nn.Linear(2, 2)
+        layer.mask = torch.zeros(5)  # a plain attribute, kept between calls
+        entries = kept_tensors(layer)
+        found = {id(t) for entry in entries for t in entry}
+        assert id(lib.cache[("k", 1)][0]) in found and id(layer.mask) in found
+        assert id(layer.weight) not in found and id(layer.bias) not in found
+        assert [id(t) for t in lib.cache[("k", 1)]] in [[id(t) for t in e] for e in entries]  # one entry
+    finally:
+        del sys.modules[lib.__name__]

@@ -21,19 +21,24 @@ is ``revtrain plan``.
 
 from revtrain.planner.block_timing import BlockTiming, TimingRule, time_blocks
 from revtrain.planner.budget import available_memory_bytes, resolve_budget
-from revtrain.planner.data import BlockProfile, Plan, Profile
+from revtrain.planner.data import BlockProfile, LayerProfile, Plan, Profile
 from revtrain.planner.errors import BudgetTooSmallError, PlanMismatchError
-from revtrain.planner.knapsack import KnapsackSolution, solve_knapsack
+from revtrain.planner.knapsack import KnapsackSolution, MultipleChoiceSolution, solve_knapsack, solve_multiple_choice
 from revtrain.planner.measure import StepMeasurement, measure_steps
 from revtrain.planner.pipeline import PlanningResult, plan_for_model, run_pipeline
 from revtrain.planner.profile import profile_model, profile_setup, saved_bytes_in_context
 from revtrain.planner.setup import MeasurementSetup, default_optimizer, preserved_state, prepare
-from revtrain.planner.solve import make_plan, refine_plan
+from revtrain.planner.recompute import LAYER_OPTIONS, get_layer_options, plain_layers, set_layer_options
+from revtrain.planner.solve import CHOICES, fit_plan, make_plan, refine_plan
 from revtrain.planner.sweep import parse_batch_sizes, resize_batch, sweep_batch_sizes
 from revtrain.planner.sweep_result import SweepPoint, SweepResult
 
 __all__ = [
+    "CHOICES",
+    "LAYER_OPTIONS",
     "BlockProfile",
+    "LayerProfile",
+    "MultipleChoiceSolution",
     "BlockTiming",
     "BudgetTooSmallError",
     "KnapsackSolution",
@@ -48,6 +53,11 @@ __all__ = [
     "TimingRule",
     "available_memory_bytes",
     "default_optimizer",
+    "fit_plan",
+    "get_layer_options",
+    "plain_layers",
+    "set_layer_options",
+    "solve_multiple_choice",
     "make_plan",
     "measure_steps",
     "parse_batch_sizes",

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from revtrain.core import Invertible, reversible_blocks
 from revtrain.planner.setup import MeasurementSetup, call_model
-from revtrain.timing import iqr, median_is_stable, timer
+from revtrain.timing import iqr, median_interval, median_is_stable, timer
 
 __all__ = ["BlockTiming", "TimingRule", "time_blocks"]
 
@@ -91,6 +91,10 @@ class BlockTiming:
     """Interquartile range of the per-pair differences."""
     pairs: int
     """Timed pairs."""
+    t_e_low_s: float | None = None
+    """Low end of the 95% interval of the median difference (:func:`revtrain.timing.median_interval`)."""
+    t_e_high_s: float | None = None
+    """High end of that interval."""
 
 
 def time_blocks(
@@ -161,7 +165,9 @@ def time_blocks(
         fm, bm, fc, bc = (statistics.median(col) for col in zip(*rows))
         t_e = statistics.median(diffs)
         name = names[id(layer)]
-        result[name] = BlockTiming(fm, bm, fc, bc, t_e if t_e > 0 else fm, iqr(diffs), len(diffs))
+        interval = median_interval(diffs)
+        result[name] = BlockTiming(fm, bm, fc, bc, t_e if t_e > 0 else fm, iqr(diffs), len(diffs),
+                                   interval.low, interval.high)
         if progress is not None:
             t = result[name]
             progress(f"  t_e of {name}: {t.t_e_s * 1e3:.2f} ms (IQR {t.t_e_iqr_s * 1e3:.2f} ms, {t.pairs} pairs)")

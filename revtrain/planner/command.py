@@ -81,6 +81,8 @@ class PlanConfig:
     """Untimed steps before each whole-step measurement."""
     refine: int = 4
     """Measure up to this many richer plans and keep the fastest that fits (0: the plan as solved)."""
+    choices: Literal["all", "mc"] = "all"
+    """What the planner may choose: all (M/C per reversible block, keep or recompute per other layer, on CUDA also offload) or mc (Jiang et al.'s M/C per reversible block only)."""
     t_e_precision: float = 0.05
     """Time each block's M/C pairs until the standard error of its median t_e is this fraction of it."""
     t_e_max_pairs: int = 30
@@ -168,7 +170,7 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
     ) as setup:
         result = run_pipeline(
             setup, config.budget, verify=config.verify, refine=config.refine, baselines=True,
-            timing=config.timing_rule(), progress=say,
+            timing=config.timing_rule(), progress=say, choices=config.choices,
         )
         if config.profile_out:
             result.profile.to_json(config.profile_out)
@@ -182,7 +184,7 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
             sweep = sweep_setup(
                 setup, lambda b: spec.example(b, dev, seed=config.seed), sizes, result.plan.budget_bytes,
                 confirm=config.confirm, verify=False, refine=config.refine, timing=config.timing_rule(),
-                known={config.batch_size: result.profile}, progress=say,
+                known={config.batch_size: result.profile}, progress=say, choices=config.choices,
             )
             sweep.budget_source = result.plan.budget_source
             report_sweep(sweep, out)

@@ -27,9 +27,10 @@ from revtrain.memory import format_bytes
 from revtrain.planner.apply import apply_plan
 from revtrain.planner.envelope import dump_envelope, read_dataclass
 
-__all__ = ["BlockProfile", "Plan", "Profile"]
+__all__ = ["BlockProfile", "LayerProfile", "Plan", "Profile"]
 
 _MODES = ("M", "C")
+_LAYER_OPTIONS = ("keep", "recompute", "offload")
 
 
 @dataclass(kw_only=True)
@@ -62,10 +63,18 @@ class BlockProfile:
     ``(t_f1 + t_b1) - (t_f2 + t_b2)`` it is the median of; None when not measured."""
     t_e_pairs: int | None = None
     """How many M/C pairs were timed for ``t_e`` (the stopping rule's count); None if unknown."""
+    t_e_low_s: float | None = None
+    """Low end of the 95% interval of the median per-pair difference
+    (:func:`revtrain.timing.median_interval`); None when not measured."""
+    t_e_high_s: float | None = None
+    """High end of that interval; None when not measured."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"BlockProfile.name must be a non-empty module name, got {self.name!r}")
+        for attr in ("t_e_low_s", "t_e_high_s"):
+            if getattr(self, attr) is not None:
+                setattr(self, attr, _finite(getattr(self, attr), f"block {self.name!r}: {attr}"))
         self.t_e_s = _finite(self.t_e_s, f"block {self.name!r}: t_e_s")
         self.m_bytes = _nonneg_int(self.m_bytes, f"block {self.name!r}: m_bytes")
         for attr in ("t_forward_s", "t_backward_M_s", "t_backward_C_s", "t_forward_C_s"):
@@ -78,6 +87,56 @@ class BlockProfile:
             value = getattr(self, attr)
             if value is not None:
                 setattr(self, attr, _nonneg_int(value, f"block {self.name!r}: {attr}"))
+
+
+@dataclass(kw_only=True)
+class LayerProfile:
+    """What profiling measured for one plain (non-reversible) layer: what recomputing it (and, on
+    CUDA, offloading what it saves) costs in time and saves in bytes, against keeping, in the
+    context of baseline-M (:mod:`revtrain.planner.recompute`)."""
+
+    name: str
+    """Module name of the layer (:func:`~revtrain.planner.recompute.plain_layers`)."""
+    recompute_s: float
+    """Extra seconds per step of recomputing over keeping: the median per-pair difference of the
+    layer's forward plus backward, about one more forward; > 0."""
+    recompute_saves_bytes: int
+    """Bytes that recomputing frees at the end of the forward against keeping, in context."""
+    recompute_low_s: float | None = None
+    """Low end of the 95% interval of ``recompute_s``'s median; None when not measured."""
+    recompute_high_s: float | None = None
+    """High end of that interval; None when not measured."""
+    offload_s: float | None = None
+    """Extra seconds per step of offloading over keeping; None where not offered (CPU)."""
+    offload_saves_bytes: int | None = None
+    """Device bytes offloading frees against keeping; None where not offered."""
+    offload_low_s: float | None = None
+    """Low end of the 95% interval of ``offload_s``'s median; None when not measured."""
+    offload_high_s: float | None = None
+    """High end of that interval; None when not measured."""
+    pairs: int | None = None
+    """Timed rounds (each option once per round, order rotating)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"LayerProfile.name must be a non-empty module name, got {self.name!r}")
+        self.recompute_s = _nonneg_float(self.recompute_s, f"layer {self.name!r}: recompute_s")
+        self.recompute_saves_bytes = _nonneg_int(self.recompute_saves_bytes, f"layer {self.name!r}: recompute_saves_bytes")
+        for attr in ("recompute_low_s", "recompute_high_s", "offload_low_s", "offload_high_s"):
+            if getattr(self, attr) is not None:
+                setattr(self, attr, _finite(getattr(self, attr), f"layer {self.name!r}: {attr}"))
+        if self.offload_s is not None:
+            self.offload_s = _nonneg_float(self.offload_s, f"layer {self.name!r}: offload_s")
+        for attr in ("offload_saves_bytes", "pairs"):
+            if getattr(self, attr) is not None:
+                setattr(self, attr, _nonneg_int(getattr(self, attr), f"layer {self.name!r}: {attr}"))
+
+    def options(self) -> dict[str, tuple[float, int]]:
+        """``option -> (seconds it costs, bytes it frees)`` against keeping, keep included."""
+        out = {"keep": (0.0, 0), "recompute": (self.recompute_s, self.recompute_saves_bytes)}
+        if self.offload_s is not None and self.offload_saves_bytes is not None:
+            out["offload"] = (self.offload_s, self.offload_saves_bytes)
+        return out
 
 
 @dataclass(kw_only=True)
@@ -125,6 +184,18 @@ class Profile:
     ``step_time_M_s - t_e_scale * sum(t_e over C-mode blocks)``, exact at both baselines. None
     (baseline-C not measured, or a profile from before it was recorded): 1, the paper's model.
     The knapsack's choices do not depend on it (all values scale alike)."""
+    step_time_M_interval_s: list[float] | None = None
+    """95% interval ``[low, high]`` of the median baseline-M step (:func:`revtrain.timing.median_interval`);
+    None when not measured."""
+    step_time_C_interval_s: list[float] | None = None
+    """95% interval of the median baseline-C step; None when not measured."""
+    layers: list[LayerProfile] = field(default_factory=list)
+    """One entry per plain (non-reversible) layer that recomputing can shrink, in module order;
+    empty for a profile of reversible layers only (Jiang et al.'s M/C choice, or a profile saved
+    before plain layers were profiled)."""
+    warnings: list[str] = field(default_factory=list)
+    """What the profile's timings cannot be trusted for, in words (intervals too wide, a
+    baseline-C timed slower than baseline-M); the report prints them."""
     torch_version: str = field(default_factory=lambda: str(torch.__version__))
     """``torch.__version__`` of the profiling run."""
     timestamp: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat())
@@ -132,6 +203,10 @@ class Profile:
 
     def __post_init__(self) -> None:
         self.batch_size = _pos_int(self.batch_size, "Profile.batch_size")
+        self.layers = [x if isinstance(x, LayerProfile) else LayerProfile(**x) for x in self.layers]
+        for attr in ("step_time_M_interval_s", "step_time_C_interval_s"):
+            setattr(self, attr, _interval(getattr(self, attr), f"Profile.{attr}"))
+        self.warnings = [str(w) for w in self.warnings]
         self.input_shape = tuple(_pos_int(d, "Profile.input_shape entries") for d in self.input_shape)
         self.blocks = [b if isinstance(b, BlockProfile) else BlockProfile(**b) for b in self.blocks]
         names = [b.name for b in self.blocks]
@@ -153,11 +228,22 @@ class Profile:
             if getattr(self, attr) is not None:
                 setattr(self, attr, _nonneg_int(getattr(self, attr), f"Profile.{attr}"))
         if self.t_e_scale is not None:
-            self.t_e_scale = _nonneg_float(self.t_e_scale, "Profile.t_e_scale")
+            self.t_e_scale = _finite(self.t_e_scale, "Profile.t_e_scale")
+            if self.t_e_scale <= 0:
+                raise ValueError(
+                    f"Profile.t_e_scale must be > 0, got {self.t_e_scale}: M-mode never saves time over "
+                    "C-mode, so a scale <= 0 comes from noisy baselines; leave it None (the paper's model)"
+                )
 
     def saved_time_s(self, c_mode_t_e_s: float) -> float:
         """Seconds per step that C-mode blocks whose ``t_e`` add up to ``c_mode_t_e_s`` save."""
         return c_mode_t_e_s * (1.0 if self.t_e_scale is None else self.t_e_scale)
+
+    @property
+    def floor_bytes(self) -> int:
+        """The smallest predicted step memory any plan of this profile has: baseline-M's peak
+        ``m_o`` less what recomputing (or offloading) every plain layer frees."""
+        return self.m_o_bytes - sum(max(saves for _, saves in x.options().values()) for x in self.layers)
 
     def m_o_at(self, batch_size: int) -> int:
         """Baseline-M peak predicted at another batch size by the linear memory model.
@@ -225,12 +311,27 @@ class Plan:
     """Peak bytes measured when training with the plan; None until measured."""
     budget_source: str = ""
     """How the budget was arrived at, in words (e.g. ``"50% of the total memory of cuda:0"``)."""
+    measured_step_time_interval_s: list[float] | None = None
+    """95% interval ``[low, high]`` of the measured median step; None until measured."""
+    layers: dict[str, str] = field(default_factory=dict)
+    """``"keep"``, ``"recompute"`` or ``"offload"`` per plain (non-reversible) layer, keyed by
+    module name (:mod:`revtrain.planner.recompute`); layers not named keep. Empty in plans of
+    reversible layers only, and in plans saved before plain layers had options."""
+    recompute_cost_s: float = 0.0
+    """Predicted seconds per step that the recomputed and offloaded layers cost (part of
+    ``predicted_step_time_s``)."""
 
     def __post_init__(self) -> None:
         self.modes = dict(self.modes)
         bad = {name: mode for name, mode in self.modes.items() if mode not in _MODES}
         if bad:
             raise ValueError(f"Plan.modes must map block names to 'M' or 'C'; got {bad}")
+        self.layers = dict(self.layers)
+        bad = {name: opt for name, opt in self.layers.items() if opt not in _LAYER_OPTIONS}
+        if bad:
+            raise ValueError(f"Plan.layers must map layer names to one of {_LAYER_OPTIONS}; got {bad}")
+        self.recompute_cost_s = _nonneg_float(self.recompute_cost_s, "Plan.recompute_cost_s")
+        self.measured_step_time_interval_s = _interval(self.measured_step_time_interval_s, "Plan.measured_step_time_interval_s")
         self.budget_bytes = _nonneg_int(self.budget_bytes, "Plan.budget_bytes")
         self.granularity = _pos_int(self.granularity, "Plan.granularity")
         self.predicted_step_time_s = _finite(self.predicted_step_time_s, "Plan.predicted_step_time_s")
@@ -248,6 +349,16 @@ class Plan:
     def c_mode_blocks(self) -> list[str]:
         """Names of the blocks the plan runs in C-mode, in module order."""
         return [name for name, mode in self.modes.items() if mode == "C"]
+
+    def setting(self) -> dict[str, str]:
+        """The plan as one setting for :func:`~revtrain.planner.measure.measure_steps`: block modes
+        and plain-layer options by name."""
+        return {**self.modes, **self.layers}
+
+    @property
+    def recomputed_layers(self) -> list[str]:
+        """Names of the plain layers the plan recomputes or offloads, in module order."""
+        return [name for name, opt in self.layers.items() if opt != "keep"]
 
     def workload_mismatch(self, batch_size: int, input_shape: tuple[int, ...]) -> str | None:
         """Why this plan does not hold for batches of ``batch_size`` samples of ``input_shape``
@@ -271,6 +382,10 @@ class Plan:
             f"C-mode, predicted peak {format_bytes(self.predicted_peak_bytes)} of "
             f"{format_bytes(self.budget_bytes)} budget, predicted step {self.predicted_step_time_s:.4g} s"
         )
+        changed = self.recomputed_layers
+        if changed:
+            shown = ", ".join(f"{n} ({self.layers[n]})" for n in changed[:4]) + (" ..." if len(changed) > 4 else "")
+            line += f"; {len(changed)} plain layer(s) recomputed/offloaded: {shown}, costing {self.recompute_cost_s:.4g} s"
         if self.measured_step_time_s is not None and self.measured_step_time_s > 0:
             error = self.predicted_step_time_s / self.measured_step_time_s - 1
             line += f"; measured step {self.measured_step_time_s:.4g} s (prediction {error:+.1%})"
@@ -307,6 +422,15 @@ def _finite(x: Any, name: str) -> float:
     if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {v}")
     return v
+
+
+def _interval(x: Any, name: str) -> list[float] | None:
+    if x is None:
+        return None
+    values = [_finite(v, name) for v in x]
+    if len(values) != 2 or values[0] > values[1]:
+        raise ValueError(f"{name} must be [low, high] with low <= high, got {x!r}")
+    return values
 
 
 def _nonneg_float(x: Any, name: str) -> float:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["KnapsackSolution", "solve_knapsack"]
+__all__ = ["KnapsackSolution", "MultipleChoiceSolution", "solve_knapsack", "solve_multiple_choice"]
 
 # Work bound for the automatic granularity: table cells (items x capacity units). Each cell costs
 # a few numpy element operations; 2**26 cells take ~0.05-0.1 s on one CPU core.
@@ -208,3 +208,135 @@ def _dp_choose(values: list[float], units: list[int], capacity: int) -> list[int
             taken.append(k)
             j -= units[k]
     return taken
+
+
+@dataclass(frozen=True)
+class MultipleChoiceSolution:
+    """The answer of :func:`solve_multiple_choice`."""
+
+    choice: tuple[int, ...]
+    """Per group, the index of the chosen option."""
+    total_value: float
+    """Sum of the values of the chosen options."""
+    total_weight: int
+    """Sum of the weights of the chosen options, exact; ``<= capacity``."""
+    granularity: int
+    """Bytes per table unit (1: no discretisation)."""
+    exact: bool
+    """True when no weight was rounded, so the solution is optimal for the exact problem."""
+
+
+def solve_multiple_choice(
+    groups: Sequence[Sequence[tuple[float, int]]],
+    capacity: int,
+    *,
+    granularity: int | None = None,
+) -> MultipleChoiceSolution:
+    """Solve the multiple-choice knapsack exactly: one option per group, the most total value
+    whose total weight is at most ``capacity``.
+
+    Each group is a list of ``(value, weight)`` options (a layer's modes: value the seconds an
+    option saves, weight the bytes it adds; both may be negative, e.g. recomputation saves bytes
+    and costs time). Weights are shifted by each group's lightest option, so the table runs over
+    what the options add above the lightest choice of every group; rounding is one-sided as in
+    :func:`solve_knapsack` (weights up, capacity down), and when it is not exact a greedy pass
+    then upgrades groups to better options that still fit in exact bytes.
+
+    Raises:
+        ValueError: an empty group, more than 255 options in a group, a non-finite value, or a
+            capacity below the sum of every group's lightest option (no choice fits; the message
+            gives that sum).
+        TypeError: a weight, capacity or granularity that is not an integer.
+    """
+    cap = _as_int(capacity, "capacity")
+    g_user = None if granularity is None else _as_int(granularity, "granularity")
+    if g_user is not None and g_user < 1:
+        raise ValueError(f"granularity must be >= 1, got {g_user}")
+    vals: list[list[float]] = []
+    wts: list[list[int]] = []
+    for k, group in enumerate(groups):
+        if not group:
+            raise ValueError(f"group {k} has no option; every group needs at least one")
+        if len(group) > 255:
+            raise ValueError(f"group {k} has {len(group)} options; at most 255 are supported")
+        v = [float(o[0]) for o in group]
+        if not all(math.isfinite(x) for x in v):
+            raise ValueError(f"values must be finite; group {k} has {v}")
+        vals.append(v)
+        wts.append([_as_int(o[1], f"groups[{k}] weight") for o in group])
+    base = sum(min(w) for w in wts)
+    room = cap - base
+    if room < 0:
+        raise ValueError(
+            f"capacity {cap} is below {base}, the weight of the lightest option of every group: no choice fits"
+        )
+    extra = [[w - min(ws) for w in ws] for ws in wts]
+    top = sum(max(e) for e in extra)
+    if top <= room:
+        g = 1 if g_user is None else g_user
+        exact = True
+        choice = [max(range(len(v)), key=lambda j: (v[j], -extra[k][j])) for k, v in enumerate(vals)]
+    else:
+        # Options worth a table cell: they fit, and beat their group's lightest option (others
+        # are never chosen, so their rounding cannot cost the optimum).
+        light = [min(range(len(es)), key=lambda j: (es[j], -vals[k][j])) for k, es in enumerate(extra)]
+        relevant = [
+            e for k, es in enumerate(extra) for j, e in enumerate(es) if 0 < e <= room and vals[k][j] > vals[k][light[k]]
+        ]
+        g = _auto_granularity(relevant or [1], room) if g_user is None else g_user
+        exact = all(e % g == 0 for e in relevant)
+        units = [[-(-e // g) for e in es] for es in extra]
+        cap_units = min(room // g, sum(max(u) for u in units))
+        if cap_units > _LIMIT_UNITS or cap_units * len(vals) > _LIMIT_CELLS:
+            smallest = max(-(-room // _LIMIT_UNITS), -(-room * len(vals) // _LIMIT_CELLS))
+            raise ValueError(
+                f"granularity {g} makes a table of {len(vals)} groups x {cap_units} capacity units, too large to "
+                f"hold in memory; pass granularity >= {smallest}, or None to choose one"
+            )
+        choice = _mc_dp(vals, units, cap_units)
+        if not exact:
+            left = room - sum(extra[k][j] for k, j in enumerate(choice))
+            order = sorted(range(len(vals)), key=lambda k: -max(vals[k]))
+            for k in order:
+                here = choice[k]
+                for j in sorted(range(len(vals[k])), key=lambda j: -vals[k][j]):
+                    if vals[k][j] <= vals[k][here]:
+                        break
+                    if extra[k][j] - extra[k][here] <= left:
+                        left -= extra[k][j] - extra[k][here]
+                        choice[k] = j
+                        break
+    total_weight = sum(wts[k][j] for k, j in enumerate(choice))
+    assert total_weight <= cap, "multiple-choice solution exceeds the capacity"  # invariant of the DP
+    return MultipleChoiceSolution(
+        choice=tuple(choice),
+        total_value=math.fsum(vals[k][j] for k, j in enumerate(choice)),
+        total_weight=total_weight,
+        granularity=g,
+        exact=exact,
+    )
+
+
+def _mc_dp(values: list[list[float]], units: list[list[int]], capacity: int) -> list[int]:
+    """DP over capacity, one group at a time: ``best[c]`` is the best value with at most ``c``
+    units above every group's lightest option; ``pick[k, c]`` the option group ``k`` took there."""
+    c = capacity
+    best = np.zeros(c + 1, dtype=np.float64)
+    pick = np.zeros((len(values), c + 1), dtype=np.uint8)
+    for k, (vs, us) in enumerate(zip(values, units)):
+        new = np.full(c + 1, -np.inf)
+        for j, (v, u) in enumerate(zip(vs, us)):
+            if u > c:
+                continue
+            cand = np.full(c + 1, -np.inf)
+            cand[u:] = best[: c + 1 - u] + v
+            better = cand > new
+            new[better] = cand[better]
+            pick[k][better] = j
+        best = new
+    choice = [0] * len(values)
+    j = c
+    for k in range(len(values) - 1, -1, -1):
+        choice[k] = int(pick[k, j])
+        j -= units[k][choice[k]]
+    return choice

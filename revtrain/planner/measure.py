@@ -34,9 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from revtrain.core import set_modes
-from revtrain.memory import track_peak_memory
-from revtrain.planner.setup import MeasurementSetup, Modes
+from revtrain.memory import kept_tensors, track_peak_memory
+from revtrain.planner.setup import MeasurementSetup, Modes, apply_setting
 from revtrain.timing import median_is_stable, timed
 
 __all__ = ["StepMeasurement", "step_memory_floor", "measure_steps", "param_storage_ptrs", "storage_bytes"]
@@ -105,7 +104,7 @@ def measure_steps(
     optimizer = setup.make_optimizer([p for p in model.parameters() if p.requires_grad])
 
     def use(modes: Modes) -> None:
-        set_modes(model, setup.state.modes if modes is None else modes)
+        apply_setting(model, modes, setup.state)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -132,19 +131,29 @@ def measure_steps(
     for name, modes in settings.items():
         use(modes)
         optimizer.zero_grad(set_to_none=True)
+        base = 0
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-            resident = torch.cuda.memory_allocated(dev)
-        else:
-            resident = storage_bytes(_state_tensors(model, optimizer, setup.inputs, setup.targets), dev)
+            base = torch.cuda.memory_allocated(dev)
         with track_peak_memory(dev) as mem:
+            # CPU: what is live before the step is adopted (counted, and its frees seen): the model,
+            # the optimizer state, the batch, and the entries of caches kept between steps (at
+            # module level or on modules) that a step reads.
+            mem.adopt(_state_tensors(model, optimizer, setup.inputs, setup.targets))
+            read = mem.watch(kept_tensors(model))
+            step()  # one step tracked whole first: what it leaves for the next step is counted
+            optimizer.zero_grad(set_to_none=True)
+            mem.adopt(read())
+            mem.reset_peak()
+            resident = base + mem.end_bytes
             loss = setup.loss()
             loss.backward()
             optimizer.step()
             del loss
+            peak = base + mem.peak_bytes
         results[name] = StepMeasurement(
             step_time_s=statistics.median(times[name]) if times[name] else math.nan,
-            peak_bytes=resident + mem.peak_bytes,
+            peak_bytes=peak,
             resident_bytes=resident,
             fixed_bytes=storage_bytes(_fixed_tensors(model, optimizer), dev),
             times_s=tuple(times[name]),

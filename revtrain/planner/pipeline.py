@@ -12,6 +12,7 @@ ordinary training::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +27,9 @@ from revtrain.planner.data import Plan, Profile, describe_sample
 from revtrain.planner.measure import StepMeasurement, measure_steps
 from revtrain.planner.profile import profile_setup
 from revtrain.planner.setup import LossFn, MeasurementSetup, Modes, OptimizerFactory, prepare
-from revtrain.planner.solve import check_budget_floor, make_plan, refine_plan
+from revtrain.planner.solve import CHOICES, check_budget_floor, fit_plan, make_plan, refine_plan
 from revtrain.planner.verify import verify_setup
+from revtrain.timing import median_interval
 
 __all__ = ["PlanningResult", "plan_for_model", "run_pipeline"]
 
@@ -66,6 +68,7 @@ def plan_for_model(
     refine: int = 4,
     timing: TimingRule | None = None,
     progress: Progress | None = None,
+    choices: str = "all",
 ) -> Plan:
     """Choose a mode per reversible block of ``model`` for the fastest step within ``budget``.
 
@@ -104,6 +107,9 @@ def plan_for_model(
         timing: When to stop timing each block's M/C pairs for ``t_e``
             (:class:`~revtrain.planner.block_timing.TimingRule`).
         progress: Called with a line as each stage starts.
+        choices: ``"all"`` (default): every layer's options, recomputing (and on CUDA offloading)
+            the plain layers included; ``"mc"``: Jiang et al.'s M/C choice for reversible layers
+            only (:data:`~revtrain.planner.solve.CHOICES`).
 
     Returns:
         The plan, with predicted (and, with ``measure``, measured) step time and peak, and
@@ -122,7 +128,7 @@ def plan_for_model(
     ) as setup:
         result = run_pipeline(
             setup, budget, verify=verify, profile=profile, refine=refine, measure=measure,
-            timing=timing, progress=progress,
+            timing=timing, progress=progress, choices=choices,
         )
     return result.plan
 
@@ -138,12 +144,13 @@ def run_pipeline(
     baselines: bool = False,
     timing: TimingRule | None = None,
     progress: Progress | None = None,
+    choices: str = "all",
 ) -> PlanningResult:
     """Stages 1-3 on a prepared model and batch, and optionally the final measurement.
 
     Args:
         setup: From :func:`~revtrain.planner.setup.prepare`.
-        budget, verify, profile, refine, timing, progress: As :func:`plan_for_model`.
+        budget, verify, profile, refine, timing, progress, choices: As :func:`plan_for_model`.
         measure: Measure the plan's real step at the end (recorded in the plan).
         baselines: Measure baseline-M, and baseline-C where it fits the budget, in the same
             run as the plan (their timed steps alternate), for comparison; implies ``measure``.
@@ -152,24 +159,28 @@ def run_pipeline(
         As :func:`plan_for_model`.
     """
     say = progress or (lambda line: None)
+    if choices not in CHOICES:
+        raise ValueError(f"choices must be one of {CHOICES}, got {choices!r}")
     budget_bytes, explanation = resolve_budget(budget, setup.device)
     say(f"budget: {explanation}")
     if profile is not None:
         _check_profile(setup, profile)
-    check_budget_floor(setup, budget_bytes, profile)
+    check_budget_floor(setup, budget_bytes, profile if profile is None or choices == "all" else _mc_only(profile))
     if verify:
         say("verifying that every block rebuilds its input ...")
         verify_setup(setup)
     if profile is None:
-        profile = profile_setup(setup, timing=timing, progress=progress)
+        profile = profile_setup(setup, timing=timing, progress=progress, plain_layers=choices == "all")
+    check_budget_floor(setup, budget_bytes, profile if choices == "all" else _mc_only(profile))
     say("solving the knapsack" + (", then refining against measured peaks ..." if refine > 0 else " ..."))
-    plan = make_plan(profile, budget_bytes, use_measured_baseline_c=True)
+    plan = make_plan(profile, budget_bytes, use_measured_baseline_c=True, choices=choices)
     if refine > 0:
-        plan = refine_plan(setup, profile, plan, steps=refine, progress=progress)
+        plan = refine_plan(setup, profile, plan, steps=refine, progress=progress, choices=choices)
+    plan = fit_plan(setup, profile, plan, choices=choices, progress=progress)
     plan.budget_source = explanation
     measured: dict[str, StepMeasurement] = {}
     if measure or baselines:
-        settings: dict[str, Modes] = {"plan": plan.modes}
+        settings: dict[str, Modes] = {"plan": plan.setting()}
         if baselines:
             settings["baseline-M"] = "M"
             if _baseline_c_fits(profile, budget_bytes):
@@ -178,7 +189,14 @@ def run_pipeline(
         measured = measure_steps(setup, settings)  # the settings' timed steps alternate
         plan.measured_step_time_s = measured["plan"].step_time_s if setup.repeats else None
         plan.measured_peak_bytes = measured["plan"].peak_bytes
+        if measured["plan"].times_s:
+            iv = median_interval(measured["plan"].times_s)
+            plan.measured_step_time_interval_s = [iv.low, iv.high]
     return PlanningResult(plan=plan, profile=profile, measured=measured)
+
+
+def _mc_only(profile: Profile) -> Profile:
+    return dataclasses.replace(profile, layers=[])
 
 
 def _baseline_c_fits(profile: Profile, budget: int) -> bool:

@@ -86,27 +86,32 @@ def plot_step_times(result: SweepResult, path: str | os.PathLike[str]) -> Path:
             ax.plot(b[~c_ok], c_pred[~c_ok], "o", mfc="none", color="#2c7fb8", label="baseline-C over budget")
         ax.plot(b, plan, "--", marker=".", color="#1a9850", lw=2, label="plan (predicted)")
 
-        def measured(attr: str, peak_attr: str, over: bool) -> tuple[np.ndarray, np.ndarray]:
+        def measured(attr: str, peak_attr: str, key: str, over: bool) -> tuple[np.ndarray, ...]:
             xs = [
-                (p.batch_size, getattr(p, attr))
+                (p.batch_size, getattr(p, attr), p.measured_intervals.get(key))
                 for p in pts
                 if getattr(p, attr) is not None
                 and ((getattr(p, peak_attr) or 0) > result.budget_bytes) == over
             ]
-            x = np.array([x for x, _ in xs], dtype=np.float64)
-            y = np.array([y for _, y in xs], dtype=np.float64)
-            return x, (y / x if per_sample else y)
+            x = np.array([x for x, _, _ in xs], dtype=np.float64)
+            y = np.array([y for _, y, _ in xs], dtype=np.float64)
+            # The 95% interval of each measured median, as error bars (none where not recorded).
+            lo = np.array([y - iv[0] if iv else 0.0 for _, y, iv in xs], dtype=np.float64)
+            hi = np.array([iv[1] - y if iv else 0.0 for _, y, iv in xs], dtype=np.float64)
+            div = x if per_sample else np.ones_like(x)
+            return x, y / div, lo / div, hi / div
 
-        for attr, peak_attr, marker, color, label in (
-            ("measured_baseline_M_step_time_s", "measured_baseline_M_peak_bytes", "s", "#c0392b", "baseline-M"),
-            ("measured_baseline_C_step_time_s", "measured_baseline_C_peak_bytes", "^", "#2c7fb8", "baseline-C"),
-            ("measured_step_time_s", "measured_peak_bytes", "D", "#1a9850", "plan"),
+        for attr, peak_attr, key, marker, color, label in (
+            ("measured_baseline_M_step_time_s", "measured_baseline_M_peak_bytes", "baseline-M", "s", "#c0392b", "baseline-M"),
+            ("measured_baseline_C_step_time_s", "measured_baseline_C_peak_bytes", "baseline-C", "^", "#2c7fb8", "baseline-C"),
+            ("measured_step_time_s", "measured_peak_bytes", "plan", "D", "#1a9850", "plan"),
         ):
             for over in (False, True):
-                x, y = measured(attr, peak_attr, over)
+                x, y, lo, hi = measured(attr, peak_attr, key, over)
                 if len(x):
-                    ax.plot(x, y, marker, color=color, ls="none", mfc="none" if over else color,
-                            label=f"{label} (measured{', over budget' if over else ''})")
+                    ax.errorbar(x, y, yerr=np.vstack([np.maximum(lo, 0), np.maximum(hi, 0)]), fmt=marker,
+                                color=color, mfc="none" if over else color, capsize=3, ls="none",
+                                label=f"{label} (measured, 95% interval{', over budget' if over else ''})")
         if result.best_batch_size is not None:
             ax.axvline(result.best_batch_size, color="0.6", lw=0.8, ls=":")
         ax.set_xlabel("batch size")

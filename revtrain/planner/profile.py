@@ -32,6 +32,7 @@ Profiling runs the model; :func:`~revtrain.planner.setup.prepare` puts it back a
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -41,13 +42,15 @@ from torch import Tensor, nn
 
 from revtrain.core import reversible_blocks, set_modes
 from revtrain.memory import track_peak_memory
-from revtrain.planner.block_timing import TimingRule, time_blocks
+from revtrain.planner.block_timing import BlockTiming, TimingRule, time_blocks
+from revtrain.planner.layer_profile import profile_plain_layers
 from revtrain.planner.budget import available_memory_bytes
 from revtrain.planner.data import BlockProfile, Profile
 from revtrain.planner.measure import StepMeasurement, measure_steps, param_storage_ptrs
 from revtrain.planner.setup import LossFn, MeasurementSetup, OptimizerFactory, prepare
+from revtrain.timing import median_interval
 
-__all__ = ["profile_model", "profile_setup", "saved_bytes_in_context"]
+__all__ = ["profile_model", "profile_setup", "saved_bytes_in_context", "whole_step_scale"]
 
 # Run baseline-C during profiling only when its predicted peak is below this share of what the
 # device can give: a CPU out-of-memory kills the process instead of raising.
@@ -69,17 +72,18 @@ def profile_model(
     model_name: str | None = None,
     run_baseline_c: bool | None = None,
     timing: TimingRule | None = None,
+    plain_layers: bool = True,
 ) -> Profile:
     """Prepare ``model`` and ``batch`` (:func:`~revtrain.planner.setup.prepare`) and profile them.
 
-    The arguments other than ``run_baseline_c`` and ``timing`` are :func:`prepare`'s; see
-    :func:`profile_setup` for those two. The model is left as it was.
+    The arguments other than ``run_baseline_c``, ``timing`` and ``plain_layers`` are
+    :func:`prepare`'s; see :func:`profile_setup` for those. The model is left as it was.
     """
     with prepare(
         model, batch, loss_fn=loss_fn, make_optimizer=make_optimizer, device=device,
         repeats=repeats, warmup=warmup, max_repeats=max_repeats, model_name=model_name,
     ) as setup:
-        return profile_setup(setup, timing=timing, run_baseline_c=run_baseline_c)
+        return profile_setup(setup, timing=timing, run_baseline_c=run_baseline_c, plain_layers=plain_layers)
 
 
 def profile_setup(
@@ -88,6 +92,7 @@ def profile_setup(
     timing: TimingRule | None = None,
     run_baseline_c: bool | None = None,
     progress: Progress | None = None,
+    plain_layers: bool = True,
 ) -> Profile:
     """Measure every reversible block's ``t_e`` and ``m`` and the model's ``m_o`` (module docstring).
 
@@ -97,6 +102,8 @@ def profile_setup(
         run_baseline_c: Measure baseline-C: True always, False never, None when its predicted
             peak fits the device's free memory.
         progress: Called with a line as each part starts.
+        plain_layers: Also profile recomputing (and on CUDA offloading) the plain layers
+            (:mod:`~revtrain.planner.layer_profile`); False profiles Jiang et al.'s M/C choice only.
 
     Raises:
         ValueError: the model has no reversible layer (ReversibleBlock or other Invertible).
@@ -126,6 +133,10 @@ def profile_setup(
             run_baseline_c = False
     say("profiling: t_e of each block, M and C timed in pairs until stable ...")
     timing_by_name = time_blocks(setup, timing, progress=progress)
+    layer_profiles = []
+    if plain_layers:
+        say("profiling: what recomputing each plain (non-reversible) layer costs and frees ...")
+        layer_profiles = profile_plain_layers(setup, timing, progress=progress)
     # The whole steps last: their baseline-M time anchors the plan's predicted step, and the
     # final measurement of the plan comes soon after.
     say("profiling: whole baseline-M" + (" and baseline-C" if run_baseline_c else "") + " steps ...")
@@ -138,10 +149,9 @@ def profile_setup(
     if not steps:
         steps = measure_steps(setup, {"M": "M"})
     base_c = steps.get("C")
-    sum_t_e = sum(t.t_e_s for t in timing_by_name.values())
-    t_e_scale = None
-    if base_c is not None and sum_t_e > 0:
-        t_e_scale = max(0.0, steps["M"].step_time_s - base_c.step_time_s) / sum_t_e
+    t_e_scale, warnings = whole_step_scale(
+        steps["M"].times_s, base_c.times_s if base_c else (), list(timing_by_name.values()),
+    )
     block_profiles = [
         BlockProfile(
             name=name,
@@ -155,6 +165,8 @@ def profile_setup(
             m_tracker_bytes=m_tracker[name],
             t_e_iqr_s=timing_by_name[name].t_e_iqr_s,
             t_e_pairs=timing_by_name[name].pairs,
+            t_e_low_s=timing_by_name[name].t_e_low_s,
+            t_e_high_s=timing_by_name[name].t_e_high_s,
         )
         for name, _ in blocks
     ]
@@ -175,7 +187,66 @@ def profile_setup(
         memory_method=base_m.method,
         optimizer=base_m.optimizer,
         t_e_scale=t_e_scale,
+        step_time_M_interval_s=_interval_of(steps["M"].times_s),
+        step_time_C_interval_s=_interval_of(base_c.times_s) if base_c else None,
+        layers=layer_profiles,
+        warnings=warnings,
     )
+
+
+def _interval_of(times: tuple[float, ...]) -> list[float] | None:
+    if not times:
+        return None
+    iv = median_interval(times)
+    return [iv.low, iv.high]
+
+
+# The isolated t_e are trusted as a total when their 95% intervals add up to at most this share
+# of it; beyond, the report says by how much they are not.
+_WIDE = 0.5
+
+
+def whole_step_scale(
+    times_m: tuple[float, ...] | list[float],
+    times_c: tuple[float, ...] | list[float],
+    timings: list[BlockTiming],
+) -> tuple[float | None, list[str]]:
+    """``t_e_scale`` from whole baseline-M and baseline-C steps timed in alternating rounds, and
+    warnings on what the timings cannot support.
+
+    The scale is the median paired difference ``M - C`` over ``sum(t_e)``, only when the 95%
+    interval of that median (:func:`revtrain.timing.median_interval`) lies above zero: a
+    baseline-C not shown faster than baseline-M says nothing about what C-mode saves (M-mode
+    does everything C-mode does plus a rebuild), so the scale is then None, the paper's model,
+    and a warning says why. Never 0 or negative.
+    """
+    warnings: list[str] = []
+    sum_t_e = sum(t.t_e_s for t in timings)
+    spread = sum((t.t_e_high_s - t.t_e_low_s) / 2 for t in timings if t.t_e_low_s is not None and t.t_e_high_s is not None)
+    if sum_t_e > 0 and spread > _WIDE * sum_t_e:
+        unsure = sum(1 for t in timings if t.t_e_low_s is not None and t.t_e_low_s <= 0)
+        warnings.append(
+            f"the per-block t_e are uncertain: their 95% intervals add up to +/-{spread * 1e3:.2f} ms against a "
+            f"total of {sum_t_e * 1e3:.2f} ms ({spread / sum_t_e:.0%}); {unsure} of {len(timings)} intervals "
+            "include zero. Which blocks go to C-mode rests on noise; the measured step is the ground truth "
+            "(profile on a quieter machine, or raise --t-e-max-pairs)"
+        )
+    pairs = list(zip(times_m, times_c))
+    if not pairs or sum_t_e <= 0:
+        return None, warnings
+    interval = median_interval([m - c for m, c in pairs])
+    if interval.low <= 0:
+        med_m = statistics.median(times_m)
+        med_c = statistics.median(times_c)
+        warnings.append(
+            f"whole steps do not show C-mode faster than M-mode: baseline-C {med_c:.4f} s against baseline-M "
+            f"{med_m:.4f} s, M - C = {interval.median * 1e3:+.2f} ms with 95% interval "
+            f"[{interval.low * 1e3:+.2f}, {interval.high * 1e3:+.2f}] ms over {len(pairs)} rounds; predicted "
+            "savings use the isolated t_e unscaled (the paper's model), so predicted steps below baseline-M may "
+            "not be reached"
+        )
+        return None, warnings
+    return interval.median / sum_t_e, warnings
 
 
 def saved_bytes_in_context(setup: MeasurementSetup) -> tuple[dict[str, int], dict[str, int]]:

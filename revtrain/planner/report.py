@@ -32,6 +32,17 @@ def report_plan(result: PlanningResult, out: TextIO) -> None:
     sum_m = sum(b.m_bytes for b in profile.blocks)
     print(f"     {'total (' + str(len(plan.c_mode_blocks)) + ' in C-mode)':44s} {'':4s} {sum_te * 1e3:8.2f} "
           f"{'':7s} {'':5s} {format_bytes(sum_m):>11s}", file=out)
+    if profile.layers:
+        print(f"\n{'#':>3}  {'plain layer':44s} {'option':9s} {'recompute ms':>12s} {'95% interval ms':>17s} "
+              f"{'frees':>11s}", file=out)
+        for i, x in enumerate(profile.layers):
+            iv = (f"[{x.recompute_low_s * 1e3:.2f}, {x.recompute_high_s * 1e3:.2f}]"
+                  if x.recompute_low_s is not None and x.recompute_high_s is not None else "-")
+            print(f"{i:>3}  {x.name[-44:]:44s} {plan.layers.get(x.name, 'keep'):9s} {x.recompute_s * 1e3:12.2f} "
+                  f"{iv:>17s} {format_bytes(x.recompute_saves_bytes):>11s}", file=out)
+        if plan.recomputed_layers:
+            print(f"     the plan recomputes/offloads {len(plan.recomputed_layers)} plain layer(s), predicted to cost "
+                  f"{plan.recompute_cost_s * 1e3:.2f} ms per step", file=out)
     print(f"\nm_o (baseline-M peak) {format_bytes(profile.m_o_bytes)}, of which fixed (parameters, buffers, "
           f"gradients, {profile.optimizer or 'optimizer'} state) {format_bytes(profile.fixed_bytes or 0)}", file=out)
     budget = plan.budget_bytes
@@ -67,6 +78,8 @@ def report_plan(result: PlanningResult, out: TextIO) -> None:
         scale = "" if profile.t_e_scale is None else f": predicted savings are t_e x {profile.t_e_scale:.3f}"
         print(f"\ncheck: sum of t_e {sum_te:.4f} s; profiled baseline-M - baseline-C "
               f"{profile.step_time_M_s - profile.step_time_C_s:.4f} s{scale}", file=out)
+    for warning in profile.warnings:
+        print(f"warning: {warning}", file=out)
     if profile.peak_C_bytes is not None:
         print(f"check: m_o + sum(m_i) {format_bytes(profile.m_o_bytes + sum_m)} bounds the profiled "
               f"baseline-C peak {format_bytes(profile.peak_C_bytes)}", file=out)

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from revtrain.core import get_modes, set_modes
+from revtrain.core import get_modes, reversible_blocks, set_modes
 from revtrain.device import resolve_device
+from revtrain.planner.recompute import get_layer_options, plain_layers, set_layer_options
 
 __all__ = [
     "LossFn",
@@ -32,6 +33,7 @@ __all__ = [
     "ModelState",
     "Modes",
     "OptimizerFactory",
+    "apply_setting",
     "call_model",
     "default_optimizer",
     "preserved_state",
@@ -45,7 +47,9 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 """``make_optimizer(trainable_parameters) -> optimizer``; the default is :func:`default_optimizer`."""
 Modes = str | Mapping[str, str] | None
 """``"M"``, ``"C"``, a mode per block name (as :func:`revtrain.core.set_modes` takes), or None for
-the modes the model had when it was prepared."""
+the modes the model had when it was prepared. A mapping may also name plain layers with
+``"keep"``, ``"recompute"`` or ``"offload"`` (:mod:`revtrain.planner.recompute`); plain layers it
+does not name, and every plain layer for a string, are as they were when the model was prepared."""
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -64,6 +68,7 @@ class ModelState:
         }
         self.grads = [(p, p.grad) for p in model.parameters()]
         self.modes = get_modes(model)
+        self.layer_options = get_layer_options(model)
         self.flags = [(m, m.training) for m in model.modules()]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = (
@@ -78,6 +83,8 @@ class ModelState:
             p.grad = None
         if self.modes:
             set_modes(model, self.modes)
+        if self.layer_options:
+            set_layer_options(model, self.layer_options)
         for m, training in self.flags:
             m.training = training
         self._restore_rng()
@@ -233,6 +240,23 @@ def prepare(
             model_name=model_name or type(model).__name__,
             autocast=autocast or nullcontext, state=state,
         )
+
+
+def apply_setting(model: nn.Module, modes: Modes, state: ModelState) -> None:
+    """Put ``model`` in one setting of :data:`Modes`: block modes and plain-layer options, the
+    ones not named as in ``state`` (the prepared model)."""
+    if modes is None:
+        set_modes(model, state.modes)
+        set_layer_options(model, state.layer_options)
+        return
+    if isinstance(modes, str):
+        set_modes(model, modes)
+        set_layer_options(model, state.layer_options)
+        return
+    blocks = {name for name, _ in reversible_blocks(model)}
+    layer_names = {name for name, _ in plain_layers(model)}
+    set_modes(model, {**state.modes, **{k: v for k, v in modes.items() if k in blocks or k not in layer_names}})
+    set_layer_options(model, {**state.layer_options, **{k: v for k, v in modes.items() if k in layer_names}})
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:

@@ -155,11 +155,14 @@ def sweep_setup(
     timing: TimingRule | None = None,
     known: Mapping[int, Profile] | None = None,
     progress: Progress | None = None,
+    choices: str = "all",
 ) -> SweepResult:
     """:func:`sweep_batch_sizes` on a prepared model: each batch size's batch is made by
     ``make_batch`` and swapped into ``setup`` (:meth:`MeasurementSetup.with_batch`).
 
     Args:
+        choices: What the confirmed plans may choose (:data:`~revtrain.planner.solve.CHOICES`); the
+            predicted points of the fitted lines choose M/C per block only.
         known: Profiles already made at some batch sizes (e.g. the single plan's, by ``revtrain
             plan``); they are used instead of profiling those sizes again.
         Others: As :func:`sweep_batch_sizes`.
@@ -186,7 +189,7 @@ def sweep_setup(
             continue
         say(f"sweep: profiling batch size {b} ...")
         try:
-            profiles[b] = profile_setup(setup_of(b), timing=timing)
+            profiles[b] = profile_setup(setup_of(b), timing=timing, plain_layers=choices == "all")
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()  # too big for the device even in baseline-M: fit without it
     fitted = [profiles[b] for b in profile_sizes if b in profiles]
@@ -207,7 +210,7 @@ def sweep_setup(
         try:
             result = run_pipeline(
                 setup_of(p.batch_size), budget_bytes, verify=False, profile=profiles.get(p.batch_size),
-                refine=refine, measure=True, timing=timing,
+                refine=refine, measure=True, timing=timing, choices=choices,
             )
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
@@ -256,6 +259,8 @@ def _record_pipeline(point: SweepPoint, plan: Any, profile: Profile) -> None:
     point.predicted_peak_bytes = plan.predicted_peak_bytes
     point.measured_step_time_s = plan.measured_step_time_s
     point.measured_peak_bytes = plan.measured_peak_bytes
+    if plan.measured_step_time_interval_s is not None:
+        point.measured_intervals["plan"] = list(plan.measured_step_time_interval_s)
     _record_profile(point, profile)
 
 
@@ -265,6 +270,10 @@ def _record_profile(point: SweepPoint, measured: Profile) -> None:
     point.measured_baseline_M_peak_bytes = measured.m_o_bytes
     point.measured_baseline_C_step_time_s = measured.step_time_C_s
     point.measured_baseline_C_peak_bytes = measured.peak_C_bytes
+    if measured.step_time_M_interval_s is not None:
+        point.measured_intervals["baseline-M"] = list(measured.step_time_M_interval_s)
+    if measured.step_time_C_interval_s is not None:
+        point.measured_intervals["baseline-C"] = list(measured.step_time_C_interval_s)
 
 
 # --- fitting and prediction -------------------------------------------------------------------

@@ -56,6 +56,9 @@ class SweepPoint:
     """Measured seconds per step of the plan, where confirmed."""
     measured_peak_bytes: int | None = None
     """Measured peak of the plan, where confirmed."""
+    measured_intervals: dict[str, list[float]] = field(default_factory=dict)
+    """95% intervals ``[low, high]`` of the measured median steps, by ``"baseline-M"``,
+    ``"baseline-C"``, ``"plan"`` where measured (:func:`revtrain.timing.median_interval`)."""
     planned: bool = False
     """Whether the plan here is the full pipeline's (this batch size profiled, solved and refined
     against measured peaks), as ``revtrain plan --batch-size`` makes it; otherwise the plan is

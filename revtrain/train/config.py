@@ -89,7 +89,9 @@ class TrainConfig:
     mode: Literal["M", "C"] = "M"
     """Mode of every reversible block: M (rebuild inputs in backward, little memory) or C (keep them)."""
     budget: str | None = None
-    """Memory budget (6GiB, 512MB, 50%): profile one batch, let the planner choose each block's mode."""
+    """Memory budget (6GiB, 512MB, 50%): profile one batch, let the planner choose each layer's mode (M/C per reversible block; keep or recompute per other layer)."""
+    choices: Literal["all", "mc"] = "all"
+    """With --budget: what the planner may choose: all (M/C per reversible block and keep/recompute, on CUDA offload, per other layer) or mc (M/C only, Jiang et al.)."""
     plan: str | None = None
     """Path of a plan.json from `revtrain plan`: apply its per-block modes."""
     check_every: int | None = None

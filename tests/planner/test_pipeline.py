@@ -36,7 +36,7 @@ def test_plan_keeps_a_real_training_step_within_the_budget(setting, fraction, re
     assert peak_m < budget < peak_c
     plan = plan_for_model(model, batch, budget, profile=profile, verify=False, refine=refine, repeats=1, warmup=1)
     assert plan.predicted_peak_bytes <= budget
-    peak = peak_of(model, batch, plan.modes)
+    peak = peak_of(model, batch, plan.setting())
     assert peak <= budget, f"plan {''.join(plan.modes.values())} peaked at {peak} > budget {budget}"
     if fraction == max(FRACTIONS):
         assert "C" in plan.modes.values(), "the plan leaves the headroom unused"
@@ -59,7 +59,7 @@ def test_refining_finds_a_faster_plan_that_still_fits(setting):
     solved = plan_for_model(model, batch, budget, profile=profile, verify=False, refine=0)
     refined = plan_for_model(model, batch, budget, profile=profile, verify=False, refine=3, warmup=1)
     assert refined.predicted_step_time_s < solved.predicted_step_time_s
-    assert peak_of(model, batch, refined.modes) == refined.predicted_peak_bytes <= budget
+    assert peak_of(model, batch, refined.setting()) == refined.predicted_peak_bytes <= budget
 
 
 def test_plan_for_model_end_to_end_as_the_trainer_calls_it(setting):
@@ -79,13 +79,19 @@ def test_plan_for_model_end_to_end_as_the_trainer_calls_it(setting):
 
 
 def test_a_budget_below_baseline_m_says_what_fits(setting):
+    """Jiang et al.'s M/C choice alone cannot go below baseline-M; every option together can go
+    down to what recomputing every plain layer frees, and no further."""
     model, batch, peak_m, _, profile = setting
     with pytest.raises(BudgetTooSmallError) as info:
-        plan_for_model(model, batch, peak_m - 1, profile=profile, verify=False)
+        plan_for_model(model, batch, peak_m - 1, profile=profile, verify=False, choices="mc")
     err = info.value
     assert err.required_bytes == peak_m and err.batch_size == 8
     assert 0 <= err.max_batch_size < 8
     assert "largest batch size" in str(err)
+    assert profile.layers and profile.floor_bytes < peak_m
+    with pytest.raises(BudgetTooSmallError, match="even the smallest plan") as info:
+        plan_for_model(model, batch, profile.floor_bytes - 1, profile=profile, verify=False)
+    assert info.value.required_bytes == profile.floor_bytes
 
 
 def test_measured_baseline_c_within_budget_gives_all_c(setting):

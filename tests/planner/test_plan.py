@@ -328,5 +328,6 @@ def test_t_e_scale_turns_isolated_t_e_into_whole_step_savings_without_changing_t
         saved = sum(blk.t_e_s for blk in plain.blocks if a.modes[blk.name] == "C")
         assert b.predicted_step_time_s == pytest.approx(scaled.step_time_M_s - 0.6 * saved, rel=1e-12)
     assert Profile.from_json(scaled.to_json()).t_e_scale == 0.6
-    with pytest.raises(ValueError, match="t_e_scale must be >= 0"):
-        toy_profile(t_e_scale=-0.1)
+    for bad in (-0.1, 0.0):
+        with pytest.raises(ValueError, match="t_e_scale must be > 0"):
+            toy_profile(t_e_scale=bad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from revtrain.core import reversible_blocks
+from revtrain.core import reversible_blocks, set_rebuild_checks
 from revtrain.core.checks import PROJECTIONS
 from revtrain.planner import Profile, TimingRule, measure_steps, prepare, profile_model, saved_bytes_in_context
 
@@ -81,14 +81,18 @@ def test_fixed_bytes_are_parameters_buffers_gradients_and_momentum(tiny_profiled
     assert profile.fixed_bytes == 3 * params + buffers  # weights, gradients, SGD momentum
 
 
-def test_resident_bytes_include_the_batch():
+def test_resident_bytes_include_the_batch_and_the_caches_kept_between_steps():
     model, batch = tiny_model(), tiny_batch()
-    m = peak(model, batch, "M")
     x, y = batch
     batch_bytes = x.numel() * x.element_size() + y.numel() * y.element_size()
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    set_rebuild_checks(model, 0)  # no rebuild check: nothing is cached between steps
+    m = peak(model, batch, "M")
     assert m.resident_bytes == m.fixed_bytes - grads + batch_bytes  # no gradient is live at entry
     assert m.peak_bytes > m.resident_bytes
+    set_rebuild_checks(model, 1)  # the check keeps its projections between steps: they count
+    checked = peak(model, batch, "M")
+    assert checked.resident_bytes > m.resident_bytes and checked.fixed_bytes == m.fixed_bytes
 
 
 def test_profile_round_trips_through_json(tiny_profiled, tmp_path):

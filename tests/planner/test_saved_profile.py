@@ -33,8 +33,11 @@ def test_the_same_profile_solves_to_the_same_plan(profile, budget):
     assert expected.input_shape is None and plan.input_shape == profile.input_shape == (3, 32, 32)
     expected.input_shape = profile.input_shape
     assert plan == expected
+    # ... and plain layers' options (a profile without plain layers: none).
+    assert plan.layers == expected.layers == {} and plan.recompute_cost_s == expected.recompute_cost_s == 0.0
     assert json.loads(plan.to_json())["payload"] == {
-        **{k: v for k, v in EXPECTED[budget].items() if k not in ("format", "version")}, "input_shape": [3, 32, 32]
+        **{k: v for k, v in EXPECTED[budget].items() if k not in ("format", "version")}, "input_shape": [3, 32, 32],
+        "layers": {}, "recompute_cost_s": 0.0, "measured_step_time_interval_s": None,
     }
 
 
