@@ -141,7 +141,7 @@ def petra_run_options(train_given: dict[str, Any], parallel: ParallelConfig, pet
     """
     from revtrain.parallel.options import RunOptions
 
-    known = {*_TRAIN_TO_PETRA_RUN, *SHARED_WITH_TRAIN, "resume"}
+    known = {*_TRAIN_TO_PETRA_RUN, *SHARED_WITH_TRAIN, "resume", "overwrite"}
     refused = [k for k in train_given if k not in known]
     if refused:
         reasons = "; ".join(f"--{k.replace('_', '-')}: {PETRA_UNSUPPORTED.get(k, 'a single-process option')}"
@@ -161,6 +161,10 @@ def petra_run_options(train_given: dict[str, Any], parallel: ParallelConfig, pet
             raise PipelineConfigError(f"--resume {resume}: a PETRA run is resumed from its folder (it holds one "
                                       "checkpoint per stage); pass the run folder")
         run["resume"] = True
+    elif run.get("run_dir"):  # a new run never replaces a folder's files unasked (revtrain.train.runs)
+        from revtrain.train.runs import refuse_occupied
+
+        refuse_occupied(run["run_dir"], overwrite=bool(train_given.get("overwrite")))
     options = RunOptions(**run, stages=parallel.stages, split=parallel.split, balance=parallel.balance,
                          engine=parallel.engine, backend=parallel.backend, port=parallel.port,
                          timeout=parallel.timeout)

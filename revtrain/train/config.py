@@ -112,6 +112,8 @@ class TrainConfig:
     """Folder for metrics, checkpoints and the summary (default: runs/<model>-<dataset>-<time>)."""
     resume: str | None = None
     """Continue a run: its checkpoint.pt, its folder, or 'auto' for the latest run of this model and dataset (with --run-dir: that run)."""
+    overwrite: bool = False
+    """Start a new run in --run-dir even though the folder is not empty: its run files (metrics, checkpoints, summary, logs) are replaced. Without it a new run refuses any folder with files in it."""
     checkpoint_every: int = 0
     """Also save a checkpoint every this many steps (0: at the end of each epoch only)."""
     log_every: int = 1

@@ -139,7 +139,8 @@ class Trainer:
         self._process_peak: tuple[int, str] = (0, "")
         self._steps_at_start = 0
         self.metrics: MetricsWriter | None = None
-        self.folder.open(log=self._log)
+        self.folder.open(log=self._log, replace_run=config.overwrite and run.state is None,
+                         keep=(config.plan,) if config.plan else ())
         try:
             self._open_run(run)
         except BaseException:

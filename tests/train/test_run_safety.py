@@ -86,12 +86,15 @@ def test_resuming_into_a_folder_holding_another_run_is_refused(finished: Path, i
         resolve_run({"resume": str(interrupted), "run_dir": str(other)})
 
 
-def test_a_folder_without_checkpoint_is_reused_with_a_note(tmp_path: Path) -> None:
+def test_a_folder_without_checkpoint_is_refused_unless_overwrite(tmp_path: Path) -> None:
+    # Issue 24 changed this: such a folder used to be reused silently (its files replaced).
     dead = tmp_path / "dead"
     dead.mkdir()
     (dead / "config.json").write_text("{}")  # a run killed before its first save
-    run = resolve_run(make_tiny_config(dead))
-    assert run.state is None and any("never saved a checkpoint" in n for n in run.notes)
+    with pytest.raises(RunExistsError, match=f"--run-dir {dead} is not empty .config.json. and holds no checkpoint"):
+        resolve_run(make_tiny_config(dead))
+    run = resolve_run(make_tiny_config(dead, overwrite=True))
+    assert run.state is None and any("--overwrite: starting a new run" in n for n in run.notes)
 
 
 # ----------------------------------------------------------------------------- --resume auto
@@ -388,8 +391,12 @@ def test_a_failed_run_keeps_files_that_were_there_before(tiny_config: TinyConfig
     folder.mkdir()
     (folder / "notes.txt").write_text("keep me")
     (folder / "plan.json").write_text("{}")  # given as the input of another tool, say
+    # Issue 24: a folder that is not empty needs --overwrite; a failed run still keeps what was there.
+    with pytest.raises(RunExistsError, match="is not empty"):
+        Trainer(tiny_config("mine"), out=io.StringIO())
     with pytest.raises(RuntimeError):
-        Trainer(tiny_config("mine"), callbacks=[interrupt_at(1, RuntimeError)], out=io.StringIO()).fit()
+        Trainer(tiny_config("mine", overwrite=True), callbacks=[interrupt_at(1, RuntimeError)],
+                out=io.StringIO()).fit()
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "plan.json"]
 
 
