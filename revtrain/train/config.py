@@ -38,9 +38,11 @@ class TrainConfig:
     model: str = "revnet38"
     """Model name from the registry (`revtrain models` lists them)."""
     dataset: str = "digits"
-    """Dataset: digits (bundled, offline), cifar10, cifar100 (local folder), synthetic, or text (bytes of local text files; default corpus: the Python standard library's sources)."""
+    """Registered dataset: digits (bundled, offline), cifar10, cifar100 (local folder), synthetic, text (bytes of local text files; default corpus: the Python standard library's sources), imagefolder (your images), imagenet32, imagenet64 (downsampled ImageNet npz batches)."""
     data_dir: str | None = None
-    """CIFAR: folder holding the extracted batches (default: $REVTRAIN_DATA_DIR or ./data). Text: a file or folder of text files, or one with enwik8 (default: the Python standard library's sources)."""
+    """CIFAR, ImageNet32/64: folder holding the files (default: $REVTRAIN_DATA_DIR or ./data). imagefolder: folder with train/<class>/ and val/<class>/. Text: a file or folder of text files, or one with enwik8 (default: the Python standard library's sources)."""
+    num_workers: int = 0
+    """Worker processes that build batches (0: in the training process, the fastest for in-memory data; more for imagefolder, which decodes files)."""
     image_size: int | None = None
     """Side of the input images (default: the dataset's own: digits 8, CIFAR 32); digits upsample to it."""
     augment: bool | None = None
@@ -131,6 +133,7 @@ class TrainConfig:
         _at_least(self, "batch_size", 1)
         _at_least(self, "checkpoint_every", 0)
         _at_least(self, "log_every", 1)
+        _at_least(self, "num_workers", 0)
         _at_least(self, "grad_angle_every", 0)
         if self.eval_batch_size is not None:
             _at_least(self, "eval_batch_size", 1)

@@ -98,7 +98,7 @@ class Trainer:
         seed_everything(config.seed)
         self.train_loader, self.test_loader, self.data_info = build_dataloaders(
             config.dataset, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size,
-            data_dir=config.data_dir, seed=config.seed,
+            data_dir=config.data_dir, seed=config.seed, num_workers=config.num_workers,
             augment=config.augment, image_size=config.image_size, pin_memory=self.device.type == "cuda",
             **text_window(config),
         )
