@@ -117,8 +117,8 @@ FLOORS = {
     "models": 4,
     "tasks": 5,
     "planner": 6,
-    "train": 7, "bench": 7, "revtrain": 7,
-    "options": 8,
+    "train": 7, "bench": 7,
+    "options": 8, "revtrain": 8,
     "parallel": 9,
     "cli": 10,
 }

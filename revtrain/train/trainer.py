@@ -38,10 +38,9 @@ from tqdm.auto import tqdm
 from revtrain.core import get_modes, set_rebuild_checks
 from revtrain.data import build_dataloaders
 from revtrain.memory import format_bytes
-from revtrain.models import create_model
 from revtrain.tasks import add_sums
 from revtrain.compilation import compile_model
-from revtrain.train.build import fit_model_to_data, text_window
+from revtrain.train.build import build_model, fit_model_to_data, text_window
 from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
 from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.divergence import TrainingDivergedError, divergence_reason
@@ -76,13 +75,17 @@ class Trainer:
         run: A :class:`~revtrain.train.resume.ResolvedRun` (what ``revtrain train`` passes), or
             a complete :class:`TrainConfig`, resolved here (with ``resume`` set, the checkpoint
             must fit it).
+        model: Your own model object to train instead of building ``config.model``, which then
+            only names it in the run's records (``Trainer(TrainConfig(model="my-net"), model=net)``);
+            it must take the dataset's inputs as they are. Resume such a run with the same
+            architecture given again.
         callbacks: Called as ``callback(trainer)`` after every optimizer step, when the
             trainer's state is consistent (a callback may read ``trainer.step``, save, or raise).
         out: Where log lines go (default: standard output).
     """
 
-    def __init__(self, run: TrainConfig | ResolvedRun, *, callbacks: Sequence[Callback] = (),
-                 out: TextIO | None = None):
+    def __init__(self, run: TrainConfig | ResolvedRun, *, model: torch.nn.Module | None = None,
+                 callbacks: Sequence[Callback] = (), out: TextIO | None = None):
         self.callbacks = list(callbacks)
         self.out = out if out is not None else sys.stdout
         run = run if isinstance(run, ResolvedRun) else resolve_run(run)
@@ -104,7 +107,7 @@ class Trainer:
         )
         fit = fit_model_to_data(config.model, config.task, self.data_info, self.first_batch()[0])
         self.task, self.input_spec = fit.task, fit.spec
-        self.model = create_model(config.model, **fit.overrides).to(self.device)
+        self.model = (model if model is not None else build_model(config.model, fit.overrides)).to(self.device)
         if config.check_every is not None:  # before planning: profiles see the check's cost
             set_rebuild_checks(self.model, config.check_every)
         self.compiled = compile_model(self.model) if config.compile else []
@@ -157,7 +160,8 @@ class Trainer:
                       f"{self.train_loader.next_batch}, step {self.step}")
         if run.state is None or run.strategy_changed:
             self.plan = apply_memory_strategy(self.model, self.config, first_batch=self.first_batch,
-                                              device=self.device, run_dir=self.run_dir, log=self._log)
+                                              device=self.device, run_dir=self.run_dir, log=self._log,
+                                              loss_fn=self.task.loss)
         atomic_write_text(self.run_dir / "config.json", json.dumps(self.config.to_dict(), indent=2) + "\n")
         resumed = run.state is not None
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None,

@@ -85,23 +85,20 @@ def test_check_every_sets_every_reversible_layer_and_is_named_in_the_header(tiny
 
 
 def test_without_check_every_the_layers_keep_the_checks_they_were_built_with(
-    tiny_config: TinyConfig, monkeypatch: pytest.MonkeyPatch
+    tiny_config: TinyConfig
 ) -> None:
     """A model whose author built its blocks with their own check settings keeps them unless
     --check-every is given (the zoo's blocks check every step)."""
-    import revtrain.train.trainer as trainer_module
-
-    def built_with_own_checks(name: str, **kwargs):
-        model = create_model(name, **kwargs)
+    def built_with_own_checks() -> torch.nn.Module:  # given as a model object (Trainer(model=...))
+        model = create_model("revnet38", in_channels=1, num_classes=10)
         for _, layer in reversible_blocks(model):
             layer.check_every = 8
         return model
 
-    monkeypatch.setattr(trainer_module, "create_model", built_with_own_checks)
-    trainer = Trainer(tiny_config())
+    trainer = Trainer(tiny_config(), model=built_with_own_checks())
     assert all(layer.check_reconstruction and layer.check_every == 8 for _, layer in reversible_blocks(trainer.model))
     assert "rebuild check" not in trainer._header()
-    trainer = Trainer(tiny_config("asked", check_every=2))
+    trainer = Trainer(tiny_config("asked", check_every=2), model=built_with_own_checks())
     assert all(layer.check_every == 2 for _, layer in reversible_blocks(trainer.model))
 
 
