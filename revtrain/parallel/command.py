@@ -121,6 +121,9 @@ def run_parallel(train_given: dict[str, Any], parallel_given: dict[str, Any], pe
     if not parallel_given and not petra_given:
         return None
     parallel = ParallelConfig(**parallel_given)
+    if ":" in str(train_given.get("device", "")):
+        raise PipelineConfigError(f"--device {train_given['device']} names one GPU, and each process of "
+                                  "--stages/--data-parallel takes the GPU of its local rank; pass --device cuda")
     if parallel.stages is None and petra_given:
         names = ", ".join("--" + k.replace("_", "-") for k in petra_given)
         raise PipelineConfigError(f"{names}: PETRA options; add --stages J")

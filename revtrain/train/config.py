@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import re
 import textwrap
 from dataclasses import dataclass
 from functools import cache
@@ -22,7 +23,7 @@ __all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "OPTIMIZERS"
 
 SCHEDULES = ("cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 AMP_DTYPES = ("bf16", "fp16")
 
 
@@ -98,10 +99,10 @@ class TrainConfig:
     """Check M-mode rebuilds against the forward on one step in this many (1: every step; 0: never, the fastest: a drifting rebuild then shows only in the loss); default: as the model's layers were built (the zoo's: every step)."""
 
     # --- machine
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where to train: cuda when available (auto), or cpu or cuda explicitly."""
+    device: str = "auto"
+    """Where to train: auto (cuda when available), cpu, cuda, or cuda:N (the GPU of index N)."""
     amp: Literal["bf16", "fp16"] | None = None
-    """Mixed precision on CUDA: bf16 autocast, or fp16 autocast with a gradient scaler."""
+    """Mixed precision: bf16 autocast (CUDA or CPU), or fp16 autocast with a gradient scaler (CUDA)."""
     threads: int | None = None
     """CPU threads for torch ops (torch.set_num_threads; default: torch's, one per core)."""
     compile: bool = False
@@ -119,7 +120,11 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Also save a checkpoint every this many steps (0: at the end of each epoch only)."""
     log_every: int = 1
-    """Write a step record to metrics.jsonl every this many steps."""
+    """Write a step record to metrics.jsonl (and steps.csv) every this many steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files into <run>/tensorboard/ (needs pip install 'revtrain[tensorboard]')."""
+    keep_checkpoints: int = 0
+    """Also keep the checkpoints of the last K evaluated epochs (checkpoints/step-<step>.pt) and of the best one by the test metric (checkpoints/best.pt); 0: only checkpoint.pt, the latest."""
     grad_angle_every: int = 0
     """Every this many steps, measure on that step's batch the angle and relative error between gradients with stored (C-mode) and rebuilt (M-mode) activations per parameter group (RevNet §5.2): metrics.jsonl records and grad_angles.png in the run folder; training is unchanged (0: off)."""
     memory_report: bool = True
@@ -134,6 +139,7 @@ class TrainConfig:
         _at_least(self, "checkpoint_every", 0)
         _at_least(self, "log_every", 1)
         _at_least(self, "num_workers", 0)
+        _at_least(self, "keep_checkpoints", 0)
         _at_least(self, "grad_angle_every", 0)
         if self.eval_batch_size is not None:
             _at_least(self, "eval_batch_size", 1)
@@ -162,7 +168,8 @@ class TrainConfig:
         if self.warmup_epochs < 0:
             raise ConfigError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         _choice(self, "schedule", SCHEDULES)
-        _choice(self, "device", DEVICES)
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N (N the GPU's index); got {self.device!r}")
         if self.amp is not None:
             _choice(self, "amp", AMP_DTYPES)
         self.milestones = tuple(float(m) for m in self.milestones)

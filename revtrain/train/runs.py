@@ -9,6 +9,7 @@ leaves nothing behind (:meth:`RunFolder.discard`): there is nothing in it to res
 from __future__ import annotations
 
 import glob
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -78,8 +79,6 @@ def clear_run_files(run_dir: str | Path, keep: tuple[str | Path, ...] = ()) -> l
     ``run_dir`` before ``--overwrite`` starts a new run there; other files, ``plan.json`` (a run
     writes its own when it uses a plan) and ``keep`` (inputs of the new run) stay. Returns what was
     removed."""
-    import shutil
-
     kept = {Path(p).resolve() for p in keep}
     removed = []
     for name in (*RUN_FILES, *RUN_FOLDERS):
@@ -156,7 +155,7 @@ class RunFolder:
             removed = clear_run_files(self.path, keep)
             if removed:
                 log(f"--overwrite: removed {', '.join(p.name for p in removed)} from {self.path}")
-        self._found = {name for name in RUN_FILES if (self.path / name).exists()}
+        self._found = {name for name in (*RUN_FILES, *RUN_FOLDERS) if (self.path / name).exists()}
         stale = remove_stale_temp_files(self.path, RUN_FILES)
         if stale:
             log(f"removed {len(stale)} temporary file(s) left in {self.path} by a killed save: "
@@ -174,6 +173,8 @@ class RunFolder:
         for name in set(RUN_FILES) - self._found:
             with suppress(FileNotFoundError):
                 (self.path / name).unlink()
+        for name in set(RUN_FOLDERS) - self._found:
+            shutil.rmtree(self.path / name, ignore_errors=True)
         remove_stale_temp_files(self.path, RUN_FILES)
         for folder in self._created:
             with suppress(OSError):  # not empty: someone else's files are there

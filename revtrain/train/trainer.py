@@ -47,6 +47,8 @@ from revtrain.train.divergence import TrainingDivergedError, divergence_reason
 from revtrain.train.environment import busy_cpu_note, resolve_device, seed_everything
 from revtrain.train.files import atomic_write_text
 from revtrain.train.interrupts import StopSignals, TrainingInterrupted
+from revtrain.train.loggers import open_sinks, write_curves
+from revtrain.train.retention import CheckpointRetention
 from revtrain.train.grad_angle import GradAngleMonitor
 from revtrain.train.memory_strategy import apply_memory_strategy
 from revtrain.train.metrics import EpochStats, MetricsWriter, live_memory, measure_step_memory
@@ -93,9 +95,11 @@ class Trainer:
         for note in run.notes:
             self._log(note)
         self.device = resolve_device(config.device)
-        if config.amp is not None and self.device.type != "cuda":
-            raise ConfigError(f"--amp {config.amp} works on CUDA only and this run is on {self.device}; "
-                              "drop --amp or use --device cuda")
+        if config.amp == "fp16" and self.device.type != "cuda":
+            raise ConfigError(f"--amp fp16 needs CUDA (its gradient scaler) and this run is on {self.device}; "
+                              "use --amp bf16 on the CPU, or --device cuda")
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # what allocates or measures without a device uses this GPU
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         seed_everything(config.seed)
@@ -133,6 +137,9 @@ class Trainer:
         self.run_dir = run.run_dir
         self.folder = RunFolder(run.run_dir)
         self.checkpoint_path = self.folder.checkpoint_path
+        self.retention = CheckpointRetention(self.run_dir / "checkpoints", config.keep_checkpoints,
+                                             f"test_{self.task.headline}", self.task.higher_is_better) \
+            if config.keep_checkpoints else None
         self.plan: Any = None
         self.last_loss = float("nan")
         self._memory: tuple[int | None, str] = (None, "")
@@ -165,7 +172,9 @@ class Trainer:
         atomic_write_text(self.run_dir / "config.json", json.dumps(self.config.to_dict(), indent=2) + "\n")
         resumed = run.state is not None
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None,
-                                     redo_epoch=self.progress.pending_eval)
+                                     redo_epoch=self.progress.pending_eval,
+                                     sinks=open_sinks(self.run_dir, tensorboard=self.config.tensorboard,
+                                                      resume_step=self.step if resumed else None))
         if resumed:
             self.metrics.write("resume", step=self.step, epoch=self.train_loader.epoch,
                                checkpoint=str(run.checkpoint), process=self.progress.processes + 1)
@@ -430,7 +439,10 @@ class Trainer:
                 f"was written, and {self._kept_checkpoint()}. Lower --lr (now {self.config.lr:g}) or "
                 "lengthen --warmup-epochs, then start again"
             )
-        return save_checkpoint(self.state.capture(self.config), path or self.checkpoint_path)
+        saved = save_checkpoint(self.state.capture(self.config), path or self.checkpoint_path)
+        if path is None and self.retention is not None:
+            self.retention.after_save(saved, self.step, self.history)
+        return saved
 
     def _kept_checkpoint(self) -> str:
         if self.checkpoint_path.exists():
@@ -522,6 +534,9 @@ class Trainer:
             plot = self.grad_angles.plot(self.run_dir / "metrics.jsonl", self.run_dir)
             if plot is not None:
                 lines.append(f"gradient angles over training: {plot}")
+        curves = write_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
+        if curves is not None:
+            lines.append(f"loss and {self.task.headline} curves: {curves} (steps.csv, epochs.csv beside it)")
         self._log("\n".join(lines))
         return summary
 

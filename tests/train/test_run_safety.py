@@ -341,7 +341,8 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_config: Tiny
     assert f"the previous checkpoint {ckpt} is kept unchanged" in message
     monkeypatch.undo()
     assert load_checkpoint(ckpt)["progress"]["step"] == 2
-    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["checkpoint.pt", "config.json", "metrics.jsonl"]
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["checkpoint.pt", "config.json", "metrics.jsonl",
+                                                              "steps.csv"]
 
 
 def test_full_disk_while_logging_names_the_metrics_file(tiny_config: TinyConfig,
@@ -410,6 +411,7 @@ def test_run_files_get_the_same_permissions(tiny_config: TinyConfig, umask: int)
         os.umask(previous)
     run = Path(config.run_dir)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in run.iterdir()}
-    assert set(modes) == {"checkpoint.pt", "config.json", "metrics.jsonl", "summary.json"}
+    assert set(modes) == {"checkpoint.pt", "config.json", "metrics.jsonl", "summary.json", "steps.csv", "epochs.csv",
+                          "curves.png"}
     assert set(modes.values()) == {0o666 & ~umask}, modes
     assert stat.S_IMODE(run.stat().st_mode) == 0o777 & ~umask
