@@ -153,15 +153,15 @@ def write_curves(metrics: str | os.PathLike[str], out: str | os.PathLike[str]) -
     epochs = [r for r in records if r.get("event") == "epoch"]
     if not steps and not epochs:
         return None
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # the object API: no pyplot, no global backend switched under the user's feet
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError:
         return None
     names = sorted({k[len("test_"):] for r in epochs for k in r if k.startswith("test_")} - {"loss"})
-    fig, axes = plt.subplots(1, 1 + len(names), figsize=(5 * (1 + len(names)), 3.6), squeeze=False)
+    fig = Figure(figsize=(5 * (1 + len(names)), 3.6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 1 + len(names), squeeze=False)
     ax = axes[0][0]
     if steps:
         ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, alpha=0.7, label="train (step)")
@@ -176,7 +176,6 @@ def write_curves(metrics: str | os.PathLike[str], out: str | os.PathLike[str]) -
     out = Path(out)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
     atomic_write(out, lambda f: f.write(buffer.getvalue()), what="plot")
     return out
 

@@ -141,26 +141,26 @@ class RunFolder:
     def checkpoint_path(self) -> Path:
         return self.path / CHECKPOINT_NAME
 
-    def open(self, log: Callable[[str], None] = print, *, replace_run: bool = False,
-             keep: tuple[str | Path, ...] = ()) -> RunFolder:
-        """Create the folder if missing and clean up stale temporary files; returns self.
-
-        ``replace_run`` (a new run with ``--overwrite``) first removes the files of the run that
-        was there (:func:`clear_run_files`), except ``keep``.
-        """
+    def open(self, log: Callable[[str], None] = print) -> RunFolder:
+        """Create the folder if missing and clean up stale temporary files; returns self."""
         missing = [p for p in (self.path, *self.path.parents) if not p.exists()]
         self.path.mkdir(parents=True, exist_ok=True)
         self._created = missing
-        if replace_run:
-            removed = clear_run_files(self.path, keep)
-            if removed:
-                log(f"--overwrite: removed {', '.join(p.name for p in removed)} from {self.path}")
         self._found = {name for name in (*RUN_FILES, *RUN_FOLDERS) if (self.path / name).exists()}
         stale = remove_stale_temp_files(self.path, RUN_FILES)
         if stale:
             log(f"removed {len(stale)} temporary file(s) left in {self.path} by a killed save: "
                 f"{', '.join(p.name for p in stale)}")
         return self
+
+    def replace_run(self, keep: tuple[str | Path, ...] = (), log: Callable[[str], None] = print) -> list[Path]:
+        """Remove the files of the run that was here (:func:`clear_run_files`, except ``keep``)
+        before a new run with ``--overwrite`` writes its own; returns what was removed."""
+        removed = clear_run_files(self.path, keep)
+        self._found -= {p.name for p in removed}
+        if removed:
+            log(f"--overwrite: removed {', '.join(p.name for p in removed)} from {self.path}")
+        return removed
 
     def discard(self) -> bool:
         """If no checkpoint was saved, remove the run files and the folders this process made.

@@ -149,8 +149,7 @@ class Trainer:
         self._process_peak: tuple[int, str] = (0, "")
         self._steps_at_start = 0
         self.metrics: MetricsWriter | None = None
-        self.folder.open(log=self._log, replace_run=config.overwrite and run.state is None,
-                         keep=(config.plan,) if config.plan else ())
+        self.folder.open(log=self._log)
         try:
             self._open_run(run)
         except BaseException:
@@ -158,6 +157,8 @@ class Trainer:
             raise
 
     def _open_run(self, run: ResolvedRun) -> None:
+        if run.state is None and self.config.overwrite:  # --overwrite: the old run's files go first
+            self.folder.replace_run(keep=(self.config.plan,) if self.config.plan else (), log=self._log)
         if run.state is not None:
             self.state.restore(run.state, run.checkpoint)  # restores the block modes the run had
             apply_hyperparameters(self.optimizer, self.scheduler, self.schedule, lr=self.config.lr,

@@ -31,3 +31,21 @@ def test_train_on_imagenet32_npz(tmp_path: Path) -> None:
     assert main(["train", "--dataset", "imagenet32", "--data-dir", str(tmp_path / "data"), "--batch-size", "8",
                  "--epochs", "1", "--device", "cpu", "--quiet", "--no-memory-report", "--run-dir", str(run)]) == 0
     assert json.loads((run / "summary.json").read_text())["steps"] == 2
+
+
+def test_the_example_image_folder_trains_as_the_readme_says(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: `python examples/digits_as_images.py pics` then `revtrain train --dataset imagefolder
+    --data-dir pics --image-size 16 --epochs 2` (here with fewer steps)."""
+    import runpy
+
+    root = Path(__file__).parents[2]
+    module = runpy.run_path(str(root / "examples" / "digits_as_images.py"))
+    pics = module["write_digits_as_images"](tmp_path / "pics")
+    assert len(list((pics / "train").rglob("*.png"))) == 1437 and len(list((pics / "val").rglob("*.png"))) == 360
+    assert sorted(p.name for p in (pics / "train").iterdir()) == [str(d) for d in range(10)]
+    run = tmp_path / "run"
+    assert main(["train", "--dataset", "imagefolder", "--data-dir", str(pics), "--image-size", "16", "--epochs", "1",
+                 "--max-steps-per-epoch", "2", "--device", "cpu", "--quiet", "--no-memory-report",
+                 "--run-dir", str(run)]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["dataset"] == "imagefolder" and summary["steps"] == 2
