@@ -27,7 +27,7 @@ from typing import Any
 
 from revtrain.data.loader import DatasetSplits
 
-__all__ = ["DatasetEntry", "dataset_entry", "list_datasets", "register_dataset"]
+__all__ = ["DatasetEntry", "build_registered", "dataset_entry", "list_datasets", "register_dataset"]
 
 DatasetBuilder = Callable[..., DatasetSplits]
 

@@ -37,7 +37,7 @@ class TrainConfig:
 
     # --- what to train
     model: str = "revnet38"
-    """Model name from the registry (`revtrain models` lists them)."""
+    """Model name from the registry (`revtrain models` lists them), or your own as module:factory (a module or a .py file, and the function that builds the model; docs/guide.md)."""
     dataset: str = "digits"
     """Registered dataset: digits (bundled, offline), cifar10, cifar100 (local folder), synthetic, text (bytes of local text files; default corpus: the Python standard library's sources), imagefolder (your images), imagenet32, imagenet64 (downsampled ImageNet npz batches)."""
     data_dir: str | None = None

@@ -164,7 +164,8 @@ def write_curves(metrics: str | os.PathLike[str], out: str | os.PathLike[str]) -
     axes = fig.subplots(1, 1 + len(names), squeeze=False)
     ax = axes[0][0]
     if steps:
-        ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, alpha=0.7, label="train (step)")
+        ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.8, alpha=0.7, color="C0",
+                label="train (step)")
     _epoch_lines(ax, epochs, "loss")
     ax.set(xlabel="optimizer step", ylabel="loss", title="loss")
     ax.legend(fontsize=8)
@@ -182,7 +183,7 @@ def write_curves(metrics: str | os.PathLike[str], out: str | os.PathLike[str]) -
 
 def _epoch_lines(ax: Any, epochs: Iterable[Mapping[str, Any]], name: str) -> None:
     epochs = list(epochs)
-    for split, marker in (("train", "o"), ("test", "s")):
+    for split, marker, color in (("train", "o", "C1"), ("test", "s", "C2")):
         points = [(r["step"], r[f"{split}_{name}"]) for r in epochs if isinstance(r.get(f"{split}_{name}"), (int, float))]
         if points:
-            ax.plot(*zip(*points, strict=True), marker=marker, ms=3, label=f"{split} (epoch)")
+            ax.plot(*zip(*points, strict=True), marker=marker, ms=3, color=color, label=f"{split} (epoch)")
