@@ -7,8 +7,8 @@ CPU are deterministic, so the budget is asserted on.
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 
 import pytest
 
