@@ -27,6 +27,8 @@ from revtrain.errors import (
 
 __all__ = [
     "AdditiveCoupling",
+    "export",
+    "load",
     "AffineCoupling",
     "Coupling",
     "create_model",
@@ -53,3 +55,13 @@ __all__ = [
     "verify_invertible",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``revtrain.load`` and ``revtrain.export`` (:mod:`revtrain.train.export`), imported on first
+    use: ``import revtrain`` stays light for library users who never train."""
+    if name in ("load", "export"):
+        from revtrain.train.export import export, load
+
+        return {"load": load, "export": export}[name]
+    raise AttributeError(f"module 'revtrain' has no attribute {name!r}")

@@ -3,6 +3,7 @@
     revtrain train [options]      train a model (default: RevNet-38 on digits, M-mode)
     revtrain models [pattern]     the model zoo with parameter counts
     revtrain sample --checkpoint  continue a text prompt with a trained language model
+    revtrain export RUN --out D   write a run's model as model.safetensors + model.json
     revtrain plan [options]       choose M/C per reversible block for a memory budget
     revtrain bench SUITE          a benchmark suite (core, zoo, planner, petra, ...): results/ report
 
@@ -43,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("revtrain: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (RevtrainError, ValueError, OSError) as err:
+    except (RevtrainError, ValueError, OSError, ImportError) as err:
         if os.environ.get("REVTRAIN_DEBUG"):
             raise
         print(f"revtrain {args.command}: error: {err}", file=sys.stderr)
@@ -74,6 +75,9 @@ def _build_parser() -> argparse.ArgumentParser:
     # --stages (PETRA), --data-parallel (DDP), --shard (FSDP2): revtrain/parallel/command.py
     _add_config_options(train.add_argument_group("several processes (PETRA, DDP, FSDP2)"), ParallelConfig)
     _add_config_options(train.add_argument_group("PETRA (with --stages)"), PetraConfig, exclude=SHARED_WITH_TRAIN)
+    train.add_argument("--config", metavar="FILE", default=None,
+                       help="read options from a .toml or .json file (a run's config.json works); options "
+                            "given on the command line override it (revtrain.train.config_file)")
     train.set_defaults(run=_run_train)
 
     from revtrain.train.sample import SampleConfig
@@ -82,6 +86,14 @@ def _build_parser() -> argparse.ArgumentParser:
                             description="Generate bytes with the model of a `revtrain train --dataset text` run.")
     _add_config_options(sample, SampleConfig)
     sample.set_defaults(run=_run_sample)
+
+    export = sub.add_parser("export", help="write a run's model as model.safetensors + model.json",
+                            description="Export the trained model of a run folder (or checkpoint) to safetensors; "
+                                        "revtrain.load(folder) rebuilds it.")
+    export.add_argument("source", metavar="RUN", help="run folder or checkpoint.pt")
+    export.add_argument("--out", required=True, help="folder to write model.safetensors and model.json into")
+    export.add_argument("--overwrite", action="store_true", help="replace an export already in --out")
+    export.set_defaults(run=_run_export)
 
     models = sub.add_parser("models", help="list the model zoo with parameter counts")
     models.add_argument("pattern", nargs="?", default="*", help="shell-style filter, e.g. 'revnet*'")
@@ -104,11 +116,16 @@ def _run_train(args: argparse.Namespace) -> int:
     from revtrain.parallel.command import SHARED_WITH_TRAIN, ParallelConfig, run_parallel
     from revtrain.train import TrainConfig, Trainer, TrainingInterrupted, resolve_run
 
+    from revtrain.train.config_file import merge_with_file
+
     petra = {k: v for k, v in _given(args, PetraConfig).items() if k not in SHARED_WITH_TRAIN}
-    status = run_parallel(_given(args, TrainConfig), _given(args, ParallelConfig), petra)
+    given, parallel, petra = merge_with_file(args.config, [(TrainConfig, _given(args, TrainConfig)),
+                                                           (ParallelConfig, _given(args, ParallelConfig)),
+                                                           (PetraConfig, petra)])
+    status = run_parallel(given, parallel, petra)
     if status is not None:
         return status
-    trainer = Trainer(resolve_run(_given(args, TrainConfig)))
+    trainer = Trainer(resolve_run(given))
     try:
         trainer.fit()
     except TrainingInterrupted as stop:  # the checkpoint is saved and the trainer said where
@@ -120,6 +137,13 @@ def _run_sample(args: argparse.Namespace) -> int:
     from revtrain.train.sample import SampleConfig, sample_from_checkpoint
 
     print(sample_from_checkpoint(SampleConfig(**_given(args, SampleConfig))))
+    return 0
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from revtrain.train.export import export
+
+    print(f"wrote {export(args.source, args.out, overwrite=args.overwrite)}/model.safetensors and model.json")
     return 0
 
 

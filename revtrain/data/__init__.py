@@ -5,10 +5,13 @@ One call builds everything a training run needs::
     train_loader, test_loader, info = build_dataloaders("digits", batch_size=128, image_size=16)
     model = create_model("revnet38", in_channels=info.in_channels, num_classes=info.num_classes)
 
-Datasets: ``"digits"`` (scikit-learn's bundled digits, offline, the default), ``"cifar10"`` and
-``"cifar100"`` (python batches in a local folder), ``"synthetic"`` (seeded random data of any
-shape), ``"text"`` (bytes of local text files, by default the Python standard library's
-sources; see :mod:`revtrain.data.text`). The loaders are :class:`ResumableLoader`: batch ``b``
+Datasets are registered by name (:mod:`revtrain.data.registry`: ``register_dataset``,
+``list_datasets``): ``"digits"`` (scikit-learn's handwritten digits, bundled, offline, the
+default), ``"cifar10"`` and ``"cifar100"`` (python batches in a local folder), ``"synthetic"``
+(seeded random data of any shape), ``"text"`` (bytes of local text files, by default the Python
+standard library's sources; see :mod:`revtrain.data.text`), ``"imagefolder"`` (your images in
+``train/<class>/`` and ``val/<class>/``), ``"imagenet32"`` and ``"imagenet64"`` (downsampled
+ImageNet's npz batches, PETRA's data). The loaders are :class:`ResumableLoader`: batch ``b``
 of epoch ``e`` depends only on ``(seed, e, b)``, and ``state_dict()`` / ``load_state_dict()``
 restore the exact position after a checkpoint; see :mod:`revtrain.data.loader` for the trainer loop.
 """
@@ -31,6 +34,10 @@ from revtrain.data.loader import DatasetInfo, DatasetSplits, InMemoryDataset, Re
 from revtrain.data.synthetic import build_synthetic, make_synthetic
 from revtrain.data.text import ByteWindows, build_text, load_corpus
 from revtrain.data.transforms import BatchTransform
+from revtrain.data.imagefolder import ImageFileDataset, build_image_folder, scan_image_folder
+from revtrain.data.imagenet_npz import build_downsampled_imagenet
+from revtrain.data.registry import build_registered, dataset_entry, list_datasets, register_dataset
+from revtrain.data import builtin as _builtin  # noqa: F401  (registers the shipped datasets)
 
 __all__ = [
     "DATASETS",
@@ -44,11 +51,18 @@ __all__ = [
     "DatasetInfo",
     "DatasetNotFoundError",
     "DatasetSplits",
+    "ImageFileDataset",
     "InMemoryDataset",
     "ResumableLoader",
     "build_cifar10",
     "build_cifar100",
     "build_digits",
+    "build_downsampled_imagenet",
+    "build_image_folder",
+    "dataset_entry",
+    "list_datasets",
+    "register_dataset",
+    "scan_image_folder",
     "build_synthetic",
     "build_text",
     "default_data_dir",
@@ -60,8 +74,8 @@ __all__ = [
     "make_synthetic",
 ]
 
-DATASETS = ("digits", "cifar10", "cifar100", "synthetic", "text")
-"""Names accepted by :func:`build_dataloaders` (the CLI's ``--dataset`` choices)."""
+DATASETS = tuple(list_datasets())
+"""The datasets revtrain ships (:func:`list_datasets` also lists those registered later)."""
 
 
 def build_datasets(
@@ -77,45 +91,12 @@ def build_datasets(
     seed: int = 0,
     context: int | None = None,
 ) -> DatasetSplits:
-    """Build the train and test splits of a dataset by name; arguments as in :func:`build_dataloaders`."""
-    key = name.lower().replace("-", "").replace("_", "")
-    synthetic_only = {
-        "input_shape": input_shape,
-        "num_classes": num_classes,
-        "train_size": train_size,
-        "test_size": test_size,
-    }
-    if key != "synthetic":
-        given = [k for k, v in synthetic_only.items() if v is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)} only apply to the 'synthetic' dataset, not {name!r}")
-    if key == "text":
-        if image_size is not None:
-            raise ValueError("image_size does not apply to the 'text' dataset; its samples are set by context")
-        return build_text(data_dir, context=context or 128, augment=True if augment is None else augment)
-    if context is not None:
-        raise ValueError(f"context only applies to the 'text' dataset, not {name!r}")
-    if key == "digits":
-        return build_digits(image_size=image_size or 8, augment=bool(augment))
-    if key in ("cifar10", "cifar100"):
-        if image_size not in (None, 32):
-            raise ValueError(f"{name} images are 32x32; image_size={image_size} is not supported")
-        build = build_cifar10 if key == "cifar10" else build_cifar100
-        return build(data_dir, augment=True if augment is None else augment)
-    if key == "synthetic":
-        if augment:
-            raise ValueError("the 'synthetic' dataset has no augmentation; leave augment unset")
-        if image_size is not None and input_shape is not None:
-            raise ValueError("give either image_size or input_shape for 'synthetic', not both")
-        shape = input_shape or (3, image_size or 32, image_size or 32)
-        return build_synthetic(
-            input_shape=shape,
-            num_classes=num_classes or 10,
-            train_size=train_size or 1024,
-            test_size=test_size or 256,
-            seed=seed,
-        )
-    raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    """Build the train and test splits of a registered dataset by name; arguments as in
+    :func:`build_dataloaders`. Options left as None take the dataset's defaults; an option the
+    dataset does not take is refused by name (:mod:`revtrain.data.registry`)."""
+    given = dict(data_dir=data_dir, augment=augment, image_size=image_size, input_shape=input_shape,
+                 num_classes=num_classes, train_size=train_size, test_size=test_size, context=context)
+    return build_registered(name, given, seed)
 
 
 def build_dataloaders(
@@ -139,7 +120,7 @@ def build_dataloaders(
     """Build the train and test loaders of a dataset.
 
     Args:
-        name: ``"digits"``, ``"cifar10"``, ``"cifar100"``, ``"synthetic"`` or ``"text"``.
+        name: A registered dataset (:func:`list_datasets`).
         batch_size: Training batch size.
         eval_batch_size: Test batch size; defaults to ``batch_size``.
         data_dir: Folder holding the CIFAR archives' extracted folders; defaults to

@@ -1,6 +1,11 @@
-"""scikit-learn's bundled handwritten digits: the default dataset, available offline.
+"""The handwritten digits scikit-learn ships: the default dataset, bundled, available offline.
 
-1,797 grey images of 8x8 pixels with values 0..16, ten classes. revtrain splits them once,
+1,797 grey images of 8x8 pixels with values 0..16, ten classes (the test set of the UCI
+"Optical Recognition of Handwritten Digits" data, E. Alpaydin and C. Kaynak, 1998, CC BY 4.0, as
+``sklearn.datasets.load_digits`` gives it). They are stored in ``digits.npz`` beside this file
+(48 KB) with the default split, so the main job needs no scikit-learn; another split
+(``split_seed``, ``test_fraction``) is computed by scikit-learn, which must then be installed.
+revtrain splits them once,
 stratified, 80/20 with a fixed seed (``split_seed``, independent of the training seed, so that
 every run is evaluated on the same test images), scales them to [0, 1], optionally upsamples
 them (RevNet/ResNet stages downsample twice, which leaves 2x2 maps from 8x8 inputs), and
@@ -14,6 +19,8 @@ padding of ``image_size // 8`` pixels); there is no flip, since mirrored digits 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -21,10 +28,13 @@ import torch.nn.functional as F
 from revtrain.data.loader import DatasetInfo, DatasetSplits, InMemoryDataset
 from revtrain.data.transforms import BatchTransform
 
-__all__ = ["build_digits", "load_digits_split", "DIGITS_NATIVE_SIZE"]
+__all__ = ["DEFAULT_SPLIT", "DIGITS_NATIVE_SIZE", "build_digits", "bundled_digits", "load_digits_split"]
 
 DIGITS_NATIVE_SIZE = 8
 """Side of the images as scikit-learn ships them."""
+DEFAULT_SPLIT = (0, 0.2)
+"""``(split_seed, test_fraction)`` of the split stored with the data."""
+_BUNDLE = Path(__file__).with_name("digits.npz")
 _MAX_PIXEL = 16.0
 
 
@@ -46,24 +56,36 @@ def load_digits_split(
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     if image_size < 1:
         raise ValueError(f"image_size must be >= 1, got {image_size}")
-    # Imported here: scikit-learn takes a second to import and only digits needs it.
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    raw = load_digits()
-    images = torch.as_tensor(raw.images, dtype=torch.float32) / _MAX_PIXEL  # (N, 8, 8)
-    labels = torch.as_tensor(raw.target, dtype=torch.int64)
-    train_idx, test_idx = train_test_split(
-        np.arange(len(labels)),
-        test_size=test_fraction,
-        random_state=split_seed,
-        stratify=labels.numpy(),
-    )
+    bundle = bundled_digits()
+    images = torch.as_tensor(bundle["images"], dtype=torch.float32) / _MAX_PIXEL  # (N, 8, 8)
+    labels = torch.as_tensor(bundle["labels"], dtype=torch.int64)
+    if (split_seed, test_fraction) == DEFAULT_SPLIT:
+        train_idx, test_idx = bundle["train_index"].astype(np.int64), bundle["test_index"].astype(np.int64)
+    else:
+        train_idx, test_idx = _stratified_split(len(labels), labels.numpy(), test_fraction, split_seed)
     x = images[:, None]  # (N, 1, 8, 8)
     if image_size != DIGITS_NATIVE_SIZE:
         x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
     train_i, test_i = torch.as_tensor(train_idx), torch.as_tensor(test_idx)
     return x[train_i].contiguous(), labels[train_i], x[test_i].contiguous(), labels[test_i]
+
+
+def bundled_digits() -> dict[str, np.ndarray]:
+    """The stored digits: ``images`` (1797, 8, 8) uint8 in 0..16, ``labels`` (1797,), and the default
+    split's ``train_index`` and ``test_index`` in the order scikit-learn's ``train_test_split`` gives them."""
+    with np.load(_BUNDLE) as data:
+        return {name: data[name] for name in ("images", "labels", "train_index", "test_index")}
+
+
+def _stratified_split(n: int, labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise ImportError(f"a digits split other than the bundled one (split_seed={DEFAULT_SPLIT[0]}, "
+                          f"test_fraction={DEFAULT_SPLIT[1]}) is computed by scikit-learn: pip install "
+                          "scikit-learn") from None
+    train_idx, test_idx = train_test_split(np.arange(n), test_size=test_fraction, random_state=seed, stratify=labels)
+    return train_idx, test_idx
 
 
 def build_digits(

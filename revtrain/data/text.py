@@ -34,6 +34,7 @@ import gzip
 import os
 import sysconfig
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,12 +127,16 @@ def _read_enwik8(path: Path) -> bytes:
                 return archive.read("enwik8")
         except (zipfile.BadZipFile, KeyError) as err:
             raise DatasetError(f"{path} is not the enwik8 archive (a zip holding 'enwik8'): {err}") from err
+        except (OSError, EOFError, zlib.error) as err:
+            raise DatasetError(f"cannot decompress {path} ({type(err).__name__}: {err}): the file is damaged or "
+                               "cut short; download enwik8 again, or pass the unpacked enwik8") from None
     if path.suffix == ".gz":
         try:
             with gzip.open(path) as f:
                 return f.read()
-        except OSError as err:
-            raise DatasetError(f"cannot decompress {path}: {err}") from err
+        except (OSError, EOFError, zlib.error) as err:
+            raise DatasetError(f"cannot decompress {path} ({type(err).__name__}: {err}): the file is damaged or "
+                               "cut short; download enwik8 again, or pass the unpacked enwik8") from None
     return _read(path)
 
 

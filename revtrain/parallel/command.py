@@ -121,6 +121,9 @@ def run_parallel(train_given: dict[str, Any], parallel_given: dict[str, Any], pe
     if not parallel_given and not petra_given:
         return None
     parallel = ParallelConfig(**parallel_given)
+    if ":" in str(train_given.get("device", "")):
+        raise PipelineConfigError(f"--device {train_given['device']} names one GPU, and each process of "
+                                  "--stages/--data-parallel takes the GPU of its local rank; pass --device cuda")
     if parallel.stages is None and petra_given:
         names = ", ".join("--" + k.replace("_", "-") for k in petra_given)
         raise PipelineConfigError(f"{names}: PETRA options; add --stages J")
@@ -141,7 +144,7 @@ def petra_run_options(train_given: dict[str, Any], parallel: ParallelConfig, pet
     """
     from revtrain.parallel.options import RunOptions
 
-    known = {*_TRAIN_TO_PETRA_RUN, *SHARED_WITH_TRAIN, "resume"}
+    known = {*_TRAIN_TO_PETRA_RUN, *SHARED_WITH_TRAIN, "resume", "overwrite"}
     refused = [k for k in train_given if k not in known]
     if refused:
         reasons = "; ".join(f"--{k.replace('_', '-')}: {PETRA_UNSUPPORTED.get(k, 'a single-process option')}"
@@ -161,6 +164,10 @@ def petra_run_options(train_given: dict[str, Any], parallel: ParallelConfig, pet
             raise PipelineConfigError(f"--resume {resume}: a PETRA run is resumed from its folder (it holds one "
                                       "checkpoint per stage); pass the run folder")
         run["resume"] = True
+    elif run.get("run_dir"):  # a new run never replaces a folder's files unasked (revtrain.train.runs)
+        from revtrain.train.runs import refuse_occupied
+
+        refuse_occupied(run["run_dir"], overwrite=bool(train_given.get("overwrite")))
     options = RunOptions(**run, stages=parallel.stages, split=parallel.split, balance=parallel.balance,
                          engine=parallel.engine, backend=parallel.backend, port=parallel.port,
                          timeout=parallel.timeout)

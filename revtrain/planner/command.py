@@ -65,6 +65,8 @@ class PlanConfig:
     """Where to write the plan JSON."""
     profile_out: str | None = None
     """Also write the profile JSON here."""
+    overwrite: bool = False
+    """Replace --out and --profile-out files that exist already (without it, an existing file is refused before anything is measured)."""
     sweep: str | None = None
     """Also sweep batch sizes, 32,64,128,256 or 32:256:32, with the same pipeline, and plot the plans
     (paper §3.4)."""
@@ -146,8 +148,9 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
     def say(line: str) -> None:
         print(line, file=out, flush=True)
 
-    for path in (config.out, config.profile_out):
+    for flag, path in (("--out", config.out), ("--profile-out", config.profile_out)):
         if path:
+            _refuse_existing(flag, Path(path), config.overwrite)
             Path(path).parent.mkdir(parents=True, exist_ok=True)  # an unwritable place fails now
     if config.threads is not None:
         torch.set_num_threads(config.threads)
@@ -196,6 +199,15 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
             for p in [*paths, plots_dir / "plan_sweep.json"]:
                 say(f"wrote {p}")
     return 0
+
+
+def _refuse_existing(flag: str, path: Path, overwrite: bool) -> None:
+    """A plan or profile can take minutes to measure: never replace one unasked."""
+    if path.is_dir():
+        raise PlanConfigError(f"{flag} {path} is a folder; give a file path such as {path / 'plan.json'}")
+    if path.exists() and not overwrite:
+        raise PlanConfigError(f"{flag} {path} exists already; nothing was measured. Pass --overwrite to replace "
+                              f"it, or give {flag} another path")
 
 
 def _at_least(config: PlanConfig, name: str, low: int) -> None:

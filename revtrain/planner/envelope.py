@@ -45,7 +45,14 @@ def load_envelope(kind: str, source: str | os.PathLike[str]) -> tuple[dict[str, 
     if isinstance(source, str) and source.lstrip().startswith("{"):
         where, text = "JSON text", source
     else:
-        where, text = f"file {os.fspath(source)!r}", Path(source).read_text()
+        where = f"file {os.fspath(source)!r}"
+        if Path(source).is_dir():
+            raise ValueError(f"{where} is a folder; pass the revtrain {kind} JSON file inside it")
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"cannot read a revtrain {kind} from {where}: it is not UTF-8 JSON text (byte "
+                             f"{e.start}); pass a {kind} written by revtrain, or make it again") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:

@@ -13,16 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from revtrain.data import DatasetInfo
-from revtrain.models import input_spec
+from revtrain.models import create_model, input_spec, model_info
 from revtrain.models.inputs import InputSpec
 from revtrain.models.registry import MODEL_OVERRIDES  # re-exported here, where it was first defined
 from revtrain.tasks import Task, get_task, task_for
 from revtrain.train.config import ConfigError
+from revtrain.train.user_model import build_from_path, is_import_path
 
-__all__ = ["ModelFit", "fit_model_to_data", "text_window", "MODEL_OVERRIDES"]
+__all__ = ["ModelFit", "build_model", "fit_model_to_data", "is_registered", "text_window", "MODEL_OVERRIDES"]
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ def fit_model_to_data(model: str, task: str | None, info: DatasetInfo, sample_in
     """The spec, ``create_model`` overrides and task of ``model`` trained on a dataset.
 
     Args:
-        model: Registered model name.
+        model: Registered model name; any other name (a ``module:factory`` path, the label of a
+            model object) takes the dataset's inputs as they are.
         task: Registered task name, or None for the task that fits the model's inputs.
         info: The dataset's description (sample shape, classes or vocabulary).
         sample_input: One batch of the dataset's inputs: its dtype tells images (float) from
@@ -51,8 +53,12 @@ def fit_model_to_data(model: str, task: str | None, info: DatasetInfo, sample_in
         ConfigError: the dataset gives another kind of input than the model takes, or the task
             trains on another kind.
     """
-    spec = input_spec(model)
     data_kind = "image" if sample_input.dtype.is_floating_point else "tokens"
+    if not is_registered(model):  # your own model: it eats what the dataset gives
+        spec = InputSpec(kind=data_kind, shape=tuple(info.input_shape), num_classes=info.num_classes,
+                         dtype=sample_input.dtype)
+    else:
+        spec = input_spec(model)
     if data_kind != spec.kind:
         raise ConfigError(
             f"model {model} takes {spec.kind} inputs but dataset {info.name} gives {data_kind} "
@@ -69,9 +75,39 @@ def fit_model_to_data(model: str, task: str | None, info: DatasetInfo, sample_in
     return ModelFit(spec=spec, overrides=MODEL_OVERRIDES[spec.kind](spec), task=chosen)
 
 
+def is_registered(model: str) -> bool:
+    """Whether ``model`` is a registered name (not a ``module:factory`` path or a label of a model
+    object given to the Trainer)."""
+    try:
+        model_info(model)
+    except ValueError:
+        return False
+    return True
+
+
+def build_model(model: str, overrides: dict[str, Any]) -> nn.Module:
+    """The model named by ``--model``: a registered one, or a ``module:factory`` import path, built
+    with the overrides that fit it to the data (:func:`fit_model_to_data`).
+
+    Raises:
+        ConfigError: an unknown name, or an import path that does not give a model.
+    """
+    if is_import_path(model):
+        return build_from_path(model, overrides)
+    try:
+        return create_model(model, **overrides)
+    except ValueError as err:
+        if is_registered(model):
+            raise
+        raise ConfigError(f"{err}; or give your own model as module:factory (docs/guide.md)") from None
+
+
 def text_window(config: Any) -> dict[str, int]:
     """The ``build_dataloaders`` window option of a token model: ``--context``, or the model's own
-    context (a language model cannot read windows longer than its positions). Empty for images."""
+    context (a language model cannot read windows longer than its positions). Empty for images.
+    A model that is not registered gets ``--context`` as given."""
+    if not is_registered(config.model):
+        return {"context": config.context} if config.context is not None else {}
     spec = input_spec(config.model)
     if spec.kind != "tokens":
         if config.context is not None:

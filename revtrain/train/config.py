@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import inspect
 import math
+import re
 import textwrap
 from dataclasses import dataclass
 from functools import cache
@@ -22,7 +23,7 @@ __all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "OPTIMIZERS"
 
 SCHEDULES = ("cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 AMP_DTYPES = ("bf16", "fp16")
 
 
@@ -36,11 +37,13 @@ class TrainConfig:
 
     # --- what to train
     model: str = "revnet38"
-    """Model name from the registry (`revtrain models` lists them)."""
+    """Model name from the registry (`revtrain models` lists them), or your own as module:factory (a module or a .py file, and the function that builds the model; docs/guide.md)."""
     dataset: str = "digits"
-    """Dataset: digits (bundled, offline), cifar10, cifar100 (local folder), synthetic, or text (bytes of local text files; default corpus: the Python standard library's sources)."""
+    """Registered dataset: digits (bundled, offline), cifar10, cifar100 (local folder), synthetic, text (bytes of local text files; default corpus: the Python standard library's sources), imagefolder (your images), imagenet32, imagenet64 (downsampled ImageNet npz batches)."""
     data_dir: str | None = None
-    """CIFAR: folder holding the extracted batches (default: $REVTRAIN_DATA_DIR or ./data). Text: a file or folder of text files, or one with enwik8 (default: the Python standard library's sources)."""
+    """CIFAR, ImageNet32/64: folder holding the files (default: $REVTRAIN_DATA_DIR or ./data). imagefolder: folder with train/<class>/ and val/<class>/. Text: a file or folder of text files, or one with enwik8 (default: the Python standard library's sources)."""
+    num_workers: int = 0
+    """Worker processes that build batches (0: in the training process, the fastest for in-memory data; more for imagefolder, which decodes files)."""
     image_size: int | None = None
     """Side of the input images (default: the dataset's own: digits 8, CIFAR 32); digits upsample to it."""
     augment: bool | None = None
@@ -98,10 +101,10 @@ class TrainConfig:
     """Check M-mode rebuilds against the forward on one step in this many (1: every step; 0: never, the fastest: a drifting rebuild then shows only in the loss); default: as the model's layers were built (the zoo's: every step)."""
 
     # --- machine
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Where to train: cuda when available (auto), or cpu or cuda explicitly."""
+    device: str = "auto"
+    """Where to train: auto (cuda when available), cpu, cuda, or cuda:N (the GPU of index N)."""
     amp: Literal["bf16", "fp16"] | None = None
-    """Mixed precision on CUDA: bf16 autocast, or fp16 autocast with a gradient scaler."""
+    """Mixed precision: bf16 autocast (CUDA or CPU), or fp16 autocast with a gradient scaler (CUDA)."""
     threads: int | None = None
     """CPU threads for torch ops (torch.set_num_threads; default: torch's, one per core)."""
     compile: bool = False
@@ -114,10 +117,16 @@ class TrainConfig:
     """Folder for metrics, checkpoints and the summary (default: runs/<model>-<dataset>-<time>)."""
     resume: str | None = None
     """Continue a run: its checkpoint.pt, its folder, or 'auto' for the latest run of this model and dataset (with --run-dir: that run)."""
+    overwrite: bool = False
+    """Start a new run in --run-dir even though the folder is not empty: its run files (metrics, checkpoints, summary, logs) are replaced. Without it a new run refuses any folder with files in it."""
     checkpoint_every: int = 0
     """Also save a checkpoint every this many steps (0: at the end of each epoch only)."""
     log_every: int = 1
-    """Write a step record to metrics.jsonl every this many steps."""
+    """Write a step record to metrics.jsonl (and steps.csv) every this many steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files into <run>/tensorboard/ (needs pip install 'revtrain[tensorboard]')."""
+    keep_checkpoints: int = 0
+    """Also keep the checkpoints of the last K evaluated epochs (checkpoints/step-<step>.pt) and of the best one by the test metric (checkpoints/best.pt); 0: only checkpoint.pt, the latest."""
     grad_angle_every: int = 0
     """Every this many steps, measure on that step's batch the angle and relative error between gradients with stored (C-mode) and rebuilt (M-mode) activations per parameter group (RevNet §5.2): metrics.jsonl records and grad_angles.png in the run folder; training is unchanged (0: off)."""
     memory_report: bool = True
@@ -131,6 +140,8 @@ class TrainConfig:
         _at_least(self, "batch_size", 1)
         _at_least(self, "checkpoint_every", 0)
         _at_least(self, "log_every", 1)
+        _at_least(self, "num_workers", 0)
+        _at_least(self, "keep_checkpoints", 0)
         _at_least(self, "grad_angle_every", 0)
         if self.eval_batch_size is not None:
             _at_least(self, "eval_batch_size", 1)
@@ -159,7 +170,8 @@ class TrainConfig:
         if self.warmup_epochs < 0:
             raise ConfigError(f"warmup_epochs must be >= 0, got {self.warmup_epochs}")
         _choice(self, "schedule", SCHEDULES)
-        _choice(self, "device", DEVICES)
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N (N the GPU's index); got {self.device!r}")
         if self.amp is not None:
             _choice(self, "amp", AMP_DTYPES)
         self.milestones = tuple(float(m) for m in self.milestones)

@@ -15,11 +15,15 @@ __all__ = ["resolve_device", "seed_everything", "busy_cpu_note"]
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"``: CUDA when available, else CPU; ``"cuda"`` must be available."""
+    """``"auto"``: CUDA when available, else CPU; ``"cuda"`` and ``"cuda:N"`` must be available."""
     try:
-        return _resolve(name)
+        device = _resolve(name)
     except ValueError as e:
         raise ConfigError(f"--device {name} was asked for but CUDA is not available; use --device cpu or auto") from e
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} GPU(s), indices 0 to "
+                          f"{torch.cuda.device_count() - 1}; pick one of them")
+    return device
 
 
 def seed_everything(seed: int) -> None:

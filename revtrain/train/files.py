@@ -57,7 +57,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
     except BaseException as err:
         with suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(err, OSError) and err.errno in NO_SPACE:
+        if _disk_full(err):
             kept = (f"the previous {what} {path} is kept unchanged; free some space, then resume" if path.exists()
                     else f"no {what} was written; free some space, then start again")
             raise DiskFullError(
@@ -71,6 +71,20 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], None]
 def atomic_write_text(path: str | os.PathLike[str], text: str, *, what: str = "file") -> Path:
     """:func:`atomic_write` for UTF-8 text."""
     return atomic_write(path, lambda f: f.write(text.encode("utf-8")), what=what)
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether ``err`` comes from a full disk or quota. ``torch.save`` reports a failed write as
+    ``RuntimeError: [enforce fail at inline_container.cc...]``; the ``OSError`` that says ENOSPC
+    is its context, so the chain is searched."""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, OSError) and cause.errno in NO_SPACE:
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def remove_stale_temp_files(folder: str | os.PathLike[str], names: Iterable[str]) -> list[Path]:

@@ -46,10 +46,16 @@ def apply_memory_strategy(
     now, measured step time and peak) goes to ``log``.
     """
     if config.plan is not None:
+        if Path(config.plan).is_dir():
+            raise ConfigError(f"--plan {config.plan} is a folder; pass the plan file, e.g. "
+                              f"{Path(config.plan) / 'plan.json'}")
         if not Path(config.plan).is_file():
             raise ConfigError(f"plan file {config.plan} does not exist; make one with `revtrain plan` "
                               "or set modes with --mode M|C")
-        plan = Plan.from_json(config.plan)
+        try:
+            plan = Plan.from_json(config.plan)
+        except ValueError as err:
+            raise ConfigError(f"--plan {config.plan}: {err}") from None
         sample_shape = tuple(first_batch()[0].shape[1:])
         mismatch = plan.workload_mismatch(config.batch_size, sample_shape)
         if mismatch is not None:

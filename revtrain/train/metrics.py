@@ -8,7 +8,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -36,23 +36,34 @@ class MetricsWriter:
             first drop the records a crash left behind after that step (and any ``"summary"``),
             so it reads as one uninterrupted run. None (a new run) starts an empty file.
         redo_epoch: Also drop the ``"epoch"`` record of this epoch (its evaluation is redone).
+        sinks: Also hand every record to these (:mod:`revtrain.train.loggers`); each first gets
+            the records kept from before (a resumed run).
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, resume_step: int | None = None, redo_epoch: int | None = None
+        self, path: str | os.PathLike[str], *, resume_step: int | None = None, redo_epoch: int | None = None,
+        sinks: Sequence[Any] = (),
     ) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
             self._truncate(resume_step, redo_epoch)
         self._file = self.path.open("w" if resume_step is None else "a", encoding="utf-8")
+        self.sinks = list(sinks)  # copies of each record: CSV, TensorBoard (revtrain.train.loggers)
+        kept = [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines()] \
+            if resume_step is not None and self.sinks else []
+        for sink in self.sinks:
+            sink.begin(kept)
 
     def write(self, event: str, **fields: Any) -> None:
         """Write one record and flush it (a crash loses at most the line being written)."""
         record = {"event": event, "time": round(time.time(), 3), **fields}
         try:
-            self._file.write(json.dumps(record, default=_jsonable) + "\n")
+            line = json.dumps(record, default=_jsonable)
+            self._file.write(line + "\n")
             self._file.flush()
+            for sink in self.sinks:
+                sink.write(json.loads(line))  # the record as metrics.jsonl holds it
         except OSError as err:
             if err.errno not in NO_SPACE:
                 raise
@@ -61,6 +72,9 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
     def _truncate(self, step: int, redo_epoch: int | None) -> None:
         kept = []

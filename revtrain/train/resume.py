@@ -32,7 +32,16 @@ from revtrain.train.checkpoint import (
     load_checkpoint,
 )
 from revtrain.train.config import ConfigError, TrainConfig
-from revtrain.train.runs import RUNS_ROOT, RunExistsError, find_latest_run, holds_run, new_run_dir
+from revtrain.train.state import REQUIRED_PARTS
+from revtrain.train.runs import (
+    RUNS_ROOT,
+    RunExistsError,
+    find_latest_run,
+    folder_entries,
+    holds_run,
+    new_run_dir,
+    refuse_occupied,
+)
 
 __all__ = ["ResolvedRun", "ResumeConflictError", "resolve_run"]
 
@@ -122,15 +131,25 @@ def resolve_run(options: Mapping[str, Any] | TrainConfig) -> ResolvedRun:
 
 def _new_run(given: dict[str, Any], notes: list[str]) -> ResolvedRun:
     config = TrainConfig.from_dict(given)
-    run_dir = Path(config.run_dir) if config.run_dir else new_run_dir(config.model, config.dataset)
-    if holds_run(run_dir):
-        raise RunExistsError(
-            f"--run-dir {run_dir} already holds a run ({run_dir / CHECKPOINT_NAME}); nothing was changed. "
-            f"Pass --resume {run_dir} to continue it, or choose another --run-dir for a new run"
-        )
-    if run_dir.is_dir() and any((run_dir / name).exists() for name in ("config.json", "metrics.jsonl")):
-        notes.append(f"note: {run_dir} held a run that never saved a checkpoint; starting a new run in it")
+    run_dir = Path(config.run_dir) if config.run_dir else new_run_dir(run_folder_name(config.model), config.dataset)
+    refuse_occupied(run_dir, overwrite=config.overwrite)  # nothing a user made is replaced unasked
+    if config.overwrite and folder_entries(run_dir):
+        notes.append(f"--overwrite: starting a new run in {run_dir}; the files of the run there are replaced")
     return ResolvedRun(config=config.replace(run_dir=str(run_dir)), run_dir=run_dir, notes=tuple(notes))
+
+
+def run_folder_name(model: str) -> str:
+    """How a model is spelled in a default run folder's name: its registry name
+    (``revformer-small`` -> ``revformer_small``), so ``--resume auto`` finds it under any spelling;
+    a ``module:factory`` path gives its factory's name."""
+    from revtrain.models.registry import model_info
+
+    if ":" in model:
+        return model.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+    try:
+        return model_info(model).name
+    except (KeyError, ValueError):
+        return model
 
 
 def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
@@ -142,7 +161,7 @@ def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
         if holds_run(folder):
             notes.append(f"--resume auto: resuming the run in {folder}")
             return str(folder / CHECKPOINT_NAME)
-        notes.append(f"--resume auto: {folder} holds no checkpoint; starting a new run there")
+        notes.append(f"--resume auto: {folder} holds no checkpoint; starting a new run there")  # if empty
         return None
     latest = find_latest_run(model, dataset)
     if latest is None:
@@ -159,6 +178,13 @@ def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
 
 def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[str]) -> ResolvedRun:
     state = load_checkpoint(path)
+    missing = [name for name in ("config", *REQUIRED_PARTS) if state.get(name) is None]
+    if missing:
+        raise IncompatibleCheckpointError(
+            f"checkpoint {path} holds no {' or '.join(missing)} state, so it cannot continue the run exactly; "
+            "resume from a checkpoint.pt written by `revtrain train`, or start a new run without --resume "
+            "(revtrain.load reads the weights of a run folder)"
+        )
     try:
         saved = TrainConfig.from_dict(state["config"]).to_dict()
     except (ConfigError, KeyError, TypeError) as err:
@@ -168,12 +194,17 @@ def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[
     if not complete and any(name in given for name in _STRATEGY):  # a strategy given replaces the saved one
         merged.update(budget=given.get("budget"), plan=given.get("plan"))
     run_dir = Path(given["run_dir"]) if given.get("run_dir") else path.parent
-    merged.update(run_dir=str(run_dir), resume=str(path))
+    merged.update(run_dir=str(run_dir), resume=str(path), overwrite=False)
     config = TrainConfig.from_dict(merged)
     if run_dir.resolve() != path.parent.resolve() and holds_run(run_dir):
         raise RunExistsError(
             f"--run-dir {run_dir} already holds another run; resuming {path} there would overwrite it. "
             f"Choose an empty --run-dir, or drop --run-dir to continue in {path.parent}"
+        )
+    if run_dir.resolve() != path.parent.resolve() and folder_entries(run_dir):
+        raise RunExistsError(
+            f"--run-dir {run_dir} is not empty; resuming {path} there would replace its files. Choose an empty "
+            f"--run-dir, or drop --run-dir to continue in {path.parent}"
         )
     _refuse_shrinking(config, state, path)
     notes += _announce_changes(saved, config.to_dict(), state)

@@ -8,6 +8,8 @@ leaves nothing behind (:meth:`RunFolder.discard`): there is nothing in it to res
 
 from __future__ import annotations
 
+import glob
+import shutil
 import time
 from collections.abc import Callable
 from contextlib import suppress
@@ -17,12 +19,16 @@ from revtrain.errors import RevtrainError
 from revtrain.train.checkpoint import CHECKPOINT_NAME
 from revtrain.train.files import remove_stale_temp_files
 
-__all__ = ["RUNS_ROOT", "RUN_FILES", "RunExistsError", "RunFolder", "find_latest_run", "holds_run", "new_run_dir"]
+__all__ = ["RUNS_ROOT", "RUN_FILES", "RUN_FOLDERS", "RunExistsError", "RunFolder", "clear_run_files", "find_latest_run", "folder_entries", "holds_run",
+           "new_run_dir", "refuse_occupied", "run_name_spellings"]
 
 RUNS_ROOT = Path("runs")
 """Where default run folders go (relative to the working directory)."""
-RUN_FILES = ("config.json", "metrics.jsonl", "plan.json", "summary.json", CHECKPOINT_NAME)
-"""The files a run writes into its folder."""
+RUN_FILES = ("config.json", "metrics.jsonl", "plan.json", "summary.json", CHECKPOINT_NAME, "steps.csv", "epochs.csv",
+             "curves.png", "grad_angles.png")
+"""The files a run writes into its folder (besides the folders ``checkpoints/`` and ``tensorboard/``)."""
+RUN_FOLDERS = ("checkpoints", "tensorboard")
+"""The folders a run may write into its folder: retained checkpoints, TensorBoard event files."""
 
 
 class RunExistsError(RevtrainError, ValueError):
@@ -32,6 +38,64 @@ class RunExistsError(RevtrainError, ValueError):
 def holds_run(folder: str | Path) -> bool:
     """Whether ``folder`` holds a run: it has a checkpoint to resume."""
     return (Path(folder) / CHECKPOINT_NAME).is_file()
+
+
+def folder_entries(folder: str | Path) -> list[str]:
+    """The names in ``folder`` (sorted; empty when it is missing or not a folder)."""
+    path = Path(folder)
+    return sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+
+
+def refuse_occupied(run_dir: str | Path, *, overwrite: bool, flag: str = "--run-dir") -> None:
+    """Refuse to start a new run in a folder that is not empty, unless ``overwrite``.
+
+    Raises:
+        RunExistsError: the folder holds files (a run to resume, or anything else); nothing
+            was changed. The message lists what is there and names the way out.
+    """
+    if overwrite:
+        return
+    names = folder_entries(run_dir)
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise RunExistsError(f"{flag} {run_dir} is a file, not a folder; choose another {flag}")
+    if not names:
+        return
+    if holds_run(run_dir):
+        raise RunExistsError(
+            f"{flag} {run_dir} already holds a run ({Path(run_dir) / CHECKPOINT_NAME}); nothing was changed. "
+            f"Pass --resume {run_dir} to continue it, --overwrite to replace it by a new run, or choose another "
+            f"{flag} for a new run"
+        )
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    raise RunExistsError(
+        f"{flag} {run_dir} is not empty ({shown}) and holds no checkpoint to resume; nothing was changed. "
+        f"Choose another (or an empty) {flag}, or pass --overwrite to start a new run there (the files a "
+        "run writes are replaced)"
+    )
+
+
+def clear_run_files(run_dir: str | Path, keep: tuple[str | Path, ...] = ()) -> list[Path]:
+    """Remove the files and folders a run writes (:data:`RUN_FILES`, :data:`RUN_FOLDERS`) from
+    ``run_dir`` before ``--overwrite`` starts a new run there; other files, ``plan.json`` (a run
+    writes its own when it uses a plan) and ``keep`` (inputs of the new run) stay. Returns what was
+    removed."""
+    kept = {Path(p).resolve() for p in keep}
+    removed = []
+    for name in (*RUN_FILES, *RUN_FOLDERS):
+        path = Path(run_dir) / name
+        if name == "plan.json":  # as often an input (a plan made for this run) as an output
+            continue
+        if path.resolve() in kept or not path.exists():
+            continue
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        removed.append(path)
+    return removed
+
+
+def run_name_spellings(model: str) -> list[str]:
+    """The spellings of a model name a run folder may carry: as given, and with ``-``/``_`` swapped
+    (``revformer-small`` and ``revformer_small`` name the same registered model)."""
+    return list(dict.fromkeys((model, model.replace("-", "_"), model.replace("_", "-"))))
 
 
 def new_run_dir(model: str, dataset: str, root: Path = RUNS_ROOT) -> Path:
@@ -53,7 +117,8 @@ def find_latest_run(model: str, dataset: str, root: Path = RUNS_ROOT) -> Path | 
     silently picking an older run.
     """
     latest: tuple[float, Path] | None = None
-    for folder in root.glob(f"{model}-{dataset}-*"):
+    folders = {f for name in run_name_spellings(model) for f in root.glob(f"{glob.escape(name)}-{glob.escape(dataset)}-*")}
+    for folder in sorted(folders):
         times = [(folder / name).stat().st_mtime for name in RUN_FILES if (folder / name).is_file()]
         if folder.is_dir() and times and (latest is None or max(times) > latest[0]):
             latest = (max(times), folder)
@@ -81,12 +146,21 @@ class RunFolder:
         missing = [p for p in (self.path, *self.path.parents) if not p.exists()]
         self.path.mkdir(parents=True, exist_ok=True)
         self._created = missing
-        self._found = {name for name in RUN_FILES if (self.path / name).exists()}
+        self._found = {name for name in (*RUN_FILES, *RUN_FOLDERS) if (self.path / name).exists()}
         stale = remove_stale_temp_files(self.path, RUN_FILES)
         if stale:
             log(f"removed {len(stale)} temporary file(s) left in {self.path} by a killed save: "
                 f"{', '.join(p.name for p in stale)}")
         return self
+
+    def replace_run(self, keep: tuple[str | Path, ...] = (), log: Callable[[str], None] = print) -> list[Path]:
+        """Remove the files of the run that was here (:func:`clear_run_files`, except ``keep``)
+        before a new run with ``--overwrite`` writes its own; returns what was removed."""
+        removed = clear_run_files(self.path, keep)
+        self._found -= {p.name for p in removed}
+        if removed:
+            log(f"--overwrite: removed {', '.join(p.name for p in removed)} from {self.path}")
+        return removed
 
     def discard(self) -> bool:
         """If no checkpoint was saved, remove the run files and the folders this process made.
@@ -99,6 +173,8 @@ class RunFolder:
         for name in set(RUN_FILES) - self._found:
             with suppress(FileNotFoundError):
                 (self.path / name).unlink()
+        for name in set(RUN_FOLDERS) - self._found:
+            shutil.rmtree(self.path / name, ignore_errors=True)
         remove_stale_temp_files(self.path, RUN_FILES)
         for folder in self._created:
             with suppress(OSError):  # not empty: someone else's files are there

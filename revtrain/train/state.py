@@ -32,7 +32,10 @@ from revtrain.train.checkpoint import (
 from revtrain.train.config import TrainConfig
 from revtrain.train.metrics import EpochStats
 
-__all__ = ["Progress", "Stateful", "TrainingState"]
+__all__ = ["REQUIRED_PARTS", "Progress", "Stateful", "TrainingState"]
+
+REQUIRED_PARTS = ("optimizer", "scheduler", "train_loader", "progress")
+"""Parts a checkpoint must hold to resume a run exactly (a gradient scaler may be absent: None)."""
 
 
 class Stateful(Protocol):
@@ -170,6 +173,15 @@ class TrainingState:
                 than the message.
         """
         check_model_state(path, state, self.model_name, self.model)
+        missing = [name for name, part in self.parts.items()
+                   if part is not None and (state.get(name) is None if name in REQUIRED_PARTS else name not in state)]
+        if missing:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {path} holds no {' or '.join(missing)} state, so it cannot continue the run "
+                "exactly (a fresh optimizer or data position would change it silently). Resume from a "
+                "checkpoint.pt written by `revtrain train`, or start a new run without --resume "
+                "(revtrain.load reads the weights of a run folder)"
+            )
         saved_data = state.get("data", {})
         if saved_data.get("name") not in (None, self.data_info.name):
             raise IncompatibleCheckpointError(

@@ -38,16 +38,17 @@ from tqdm.auto import tqdm
 from revtrain.core import get_modes, set_rebuild_checks
 from revtrain.data import build_dataloaders
 from revtrain.memory import format_bytes
-from revtrain.models import create_model
 from revtrain.tasks import add_sums
 from revtrain.compilation import compile_model
-from revtrain.train.build import fit_model_to_data, text_window
+from revtrain.train.build import build_model, fit_model_to_data, text_window
 from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
 from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.divergence import TrainingDivergedError, divergence_reason
 from revtrain.train.environment import busy_cpu_note, resolve_device, seed_everything
 from revtrain.train.files import atomic_write_text
 from revtrain.train.interrupts import StopSignals, TrainingInterrupted
+from revtrain.train.loggers import open_sinks, write_curves
+from revtrain.train.retention import CheckpointRetention
 from revtrain.train.grad_angle import GradAngleMonitor
 from revtrain.train.memory_strategy import apply_memory_strategy
 from revtrain.train.metrics import EpochStats, MetricsWriter, live_memory, measure_step_memory
@@ -76,13 +77,17 @@ class Trainer:
         run: A :class:`~revtrain.train.resume.ResolvedRun` (what ``revtrain train`` passes), or
             a complete :class:`TrainConfig`, resolved here (with ``resume`` set, the checkpoint
             must fit it).
+        model: Your own model object to train instead of building ``config.model``, which then
+            only names it in the run's records (``Trainer(TrainConfig(model="my-net"), model=net)``);
+            it must take the dataset's inputs as they are. Resume such a run with the same
+            architecture given again.
         callbacks: Called as ``callback(trainer)`` after every optimizer step, when the
             trainer's state is consistent (a callback may read ``trainer.step``, save, or raise).
         out: Where log lines go (default: standard output).
     """
 
-    def __init__(self, run: TrainConfig | ResolvedRun, *, callbacks: Sequence[Callback] = (),
-                 out: TextIO | None = None):
+    def __init__(self, run: TrainConfig | ResolvedRun, *, model: torch.nn.Module | None = None,
+                 callbacks: Sequence[Callback] = (), out: TextIO | None = None):
         self.callbacks = list(callbacks)
         self.out = out if out is not None else sys.stdout
         run = run if isinstance(run, ResolvedRun) else resolve_run(run)
@@ -90,21 +95,23 @@ class Trainer:
         for note in run.notes:
             self._log(note)
         self.device = resolve_device(config.device)
-        if config.amp is not None and self.device.type != "cuda":
-            raise ConfigError(f"--amp {config.amp} works on CUDA only and this run is on {self.device}; "
-                              "drop --amp or use --device cuda")
+        if config.amp == "fp16" and self.device.type != "cuda":
+            raise ConfigError(f"--amp fp16 needs CUDA (its gradient scaler) and this run is on {self.device}; "
+                              "use --amp bf16 on the CPU, or --device cuda")
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # what allocates or measures without a device uses this GPU
         if config.threads is not None:
             torch.set_num_threads(config.threads)
         seed_everything(config.seed)
         self.train_loader, self.test_loader, self.data_info = build_dataloaders(
             config.dataset, batch_size=config.batch_size, eval_batch_size=config.eval_batch_size,
-            data_dir=config.data_dir, seed=config.seed,
+            data_dir=config.data_dir, seed=config.seed, num_workers=config.num_workers,
             augment=config.augment, image_size=config.image_size, pin_memory=self.device.type == "cuda",
             **text_window(config),
         )
         fit = fit_model_to_data(config.model, config.task, self.data_info, self.first_batch()[0])
         self.task, self.input_spec = fit.task, fit.spec
-        self.model = create_model(config.model, **fit.overrides).to(self.device)
+        self.model = (model if model is not None else build_model(config.model, fit.overrides)).to(self.device)
         if config.check_every is not None:  # before planning: profiles see the check's cost
             set_rebuild_checks(self.model, config.check_every)
         self.compiled = compile_model(self.model) if config.compile else []
@@ -130,6 +137,9 @@ class Trainer:
         self.run_dir = run.run_dir
         self.folder = RunFolder(run.run_dir)
         self.checkpoint_path = self.folder.checkpoint_path
+        self.retention = CheckpointRetention(self.run_dir / "checkpoints", config.keep_checkpoints,
+                                             f"test_{self.task.headline}", self.task.higher_is_better) \
+            if config.keep_checkpoints else None
         self.plan: Any = None
         self.last_loss = float("nan")
         self._memory: tuple[int | None, str] = (None, "")
@@ -147,6 +157,8 @@ class Trainer:
             raise
 
     def _open_run(self, run: ResolvedRun) -> None:
+        if run.state is None and self.config.overwrite:  # --overwrite: the old run's files go first
+            self.folder.replace_run(keep=(self.config.plan,) if self.config.plan else (), log=self._log)
         if run.state is not None:
             self.state.restore(run.state, run.checkpoint)  # restores the block modes the run had
             apply_hyperparameters(self.optimizer, self.scheduler, self.schedule, lr=self.config.lr,
@@ -156,11 +168,14 @@ class Trainer:
                       f"{self.train_loader.next_batch}, step {self.step}")
         if run.state is None or run.strategy_changed:
             self.plan = apply_memory_strategy(self.model, self.config, first_batch=self.first_batch,
-                                              device=self.device, run_dir=self.run_dir, log=self._log)
+                                              device=self.device, run_dir=self.run_dir, log=self._log,
+                                              loss_fn=self.task.loss)
         atomic_write_text(self.run_dir / "config.json", json.dumps(self.config.to_dict(), indent=2) + "\n")
         resumed = run.state is not None
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None,
-                                     redo_epoch=self.progress.pending_eval)
+                                     redo_epoch=self.progress.pending_eval,
+                                     sinks=open_sinks(self.run_dir, tensorboard=self.config.tensorboard,
+                                                      resume_step=self.step if resumed else None))
         if resumed:
             self.metrics.write("resume", step=self.step, epoch=self.train_loader.epoch,
                                checkpoint=str(run.checkpoint), process=self.progress.processes + 1)
@@ -425,7 +440,10 @@ class Trainer:
                 f"was written, and {self._kept_checkpoint()}. Lower --lr (now {self.config.lr:g}) or "
                 "lengthen --warmup-epochs, then start again"
             )
-        return save_checkpoint(self.state.capture(self.config), path or self.checkpoint_path)
+        saved = save_checkpoint(self.state.capture(self.config), path or self.checkpoint_path)
+        if path is None and self.retention is not None:
+            self.retention.after_save(saved, self.step, self.history)
+        return saved
 
     def _kept_checkpoint(self) -> str:
         if self.checkpoint_path.exists():
@@ -517,6 +535,9 @@ class Trainer:
             plot = self.grad_angles.plot(self.run_dir / "metrics.jsonl", self.run_dir)
             if plot is not None:
                 lines.append(f"gradient angles over training: {plot}")
+        curves = write_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png")
+        if curves is not None:
+            lines.append(f"loss and {self.task.headline} curves: {curves} (steps.csv, epochs.csv beside it)")
         self._log("\n".join(lines))
         return summary
 

@@ -69,8 +69,10 @@ def test_info_is_plain_data():
 def test_bad_arguments_are_explained():
     with pytest.raises(ValueError, match="unknown dataset 'mnist'; choose one of digits"):
         build_dataloaders("mnist", batch_size=8)
-    with pytest.raises(ValueError, match="only apply to the 'synthetic' dataset"):
+    with pytest.raises(ValueError, match="num_classes only applies to the 'synthetic' dataset, not 'digits'"):
         build_dataloaders("digits", batch_size=8, num_classes=3)
+    with pytest.raises(ValueError, match="num_classes, train_size only apply to the 'synthetic' dataset"):
+        build_dataloaders("digits", batch_size=8, num_classes=3, train_size=4)
     with pytest.raises(ValueError, match="no augmentation"):
         build_dataloaders("synthetic", batch_size=8, augment=True)
     assert DATASETS[0] == "digits"

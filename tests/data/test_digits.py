@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -72,3 +73,27 @@ def test_augmentation_is_off_by_default_and_shifts_by_one_pixel_when_on():
     clean, _ = aug.train.with_transform(aug.train.transform.for_eval()).get_batch(idx)
     assert shifted.shape == clean.shape
     assert (shifted != clean).flatten(1).any(1).float().mean() > 0.8
+
+
+def test_the_bundled_digits_and_split_equal_scikit_learns() -> None:
+    pytest.importorskip("sklearn")  # in the dev extra: CI checks the bundle
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from revtrain.data.digits import DEFAULT_SPLIT, bundled_digits
+
+    raw, bundle = load_digits(), bundled_digits()
+    assert np.array_equal(bundle["images"], raw.images) and np.array_equal(bundle["labels"], raw.target)
+    train, test = train_test_split(np.arange(len(raw.target)), test_size=DEFAULT_SPLIT[1],
+                                   random_state=DEFAULT_SPLIT[0], stratify=raw.target)
+    assert np.array_equal(bundle["train_index"], train) and np.array_equal(bundle["test_index"], test)
+
+
+def test_the_default_digits_need_no_scikit_learn() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from revtrain.data import build_digits; s = build_digits(); "
+            "assert 'sklearn' not in sys.modules, 'sklearn imported'; print(s.info.train_size, s.info.test_size)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split() == ["1437", "360"]

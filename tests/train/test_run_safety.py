@@ -86,12 +86,15 @@ def test_resuming_into_a_folder_holding_another_run_is_refused(finished: Path, i
         resolve_run({"resume": str(interrupted), "run_dir": str(other)})
 
 
-def test_a_folder_without_checkpoint_is_reused_with_a_note(tmp_path: Path) -> None:
+def test_a_folder_without_checkpoint_is_refused_unless_overwrite(tmp_path: Path) -> None:
+    # Issue 24 changed this: such a folder used to be reused silently (its files replaced).
     dead = tmp_path / "dead"
     dead.mkdir()
     (dead / "config.json").write_text("{}")  # a run killed before its first save
-    run = resolve_run(make_tiny_config(dead))
-    assert run.state is None and any("never saved a checkpoint" in n for n in run.notes)
+    with pytest.raises(RunExistsError, match=f"--run-dir {dead} is not empty .config.json. and holds no checkpoint"):
+        resolve_run(make_tiny_config(dead))
+    run = resolve_run(make_tiny_config(dead, overwrite=True))
+    assert run.state is None and any("--overwrite: starting a new run" in n for n in run.notes)
 
 
 # ----------------------------------------------------------------------------- --resume auto
@@ -338,7 +341,8 @@ def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tiny_config: Tiny
     assert f"the previous checkpoint {ckpt} is kept unchanged" in message
     monkeypatch.undo()
     assert load_checkpoint(ckpt)["progress"]["step"] == 2
-    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["checkpoint.pt", "config.json", "metrics.jsonl"]
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["checkpoint.pt", "config.json", "metrics.jsonl",
+                                                              "steps.csv"]
 
 
 def test_full_disk_while_logging_names_the_metrics_file(tiny_config: TinyConfig,
@@ -388,8 +392,12 @@ def test_a_failed_run_keeps_files_that_were_there_before(tiny_config: TinyConfig
     folder.mkdir()
     (folder / "notes.txt").write_text("keep me")
     (folder / "plan.json").write_text("{}")  # given as the input of another tool, say
+    # Issue 24: a folder that is not empty needs --overwrite; a failed run still keeps what was there.
+    with pytest.raises(RunExistsError, match="is not empty"):
+        Trainer(tiny_config("mine"), out=io.StringIO())
     with pytest.raises(RuntimeError):
-        Trainer(tiny_config("mine"), callbacks=[interrupt_at(1, RuntimeError)], out=io.StringIO()).fit()
+        Trainer(tiny_config("mine", overwrite=True), callbacks=[interrupt_at(1, RuntimeError)],
+                out=io.StringIO()).fit()
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "plan.json"]
 
 
@@ -403,6 +411,7 @@ def test_run_files_get_the_same_permissions(tiny_config: TinyConfig, umask: int)
         os.umask(previous)
     run = Path(config.run_dir)
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in run.iterdir()}
-    assert set(modes) == {"checkpoint.pt", "config.json", "metrics.jsonl", "summary.json"}
+    assert set(modes) == {"checkpoint.pt", "config.json", "metrics.jsonl", "summary.json", "steps.csv", "epochs.csv",
+                          "curves.png"}
     assert set(modes.values()) == {0o666 & ~umask}, modes
     assert stat.S_IMODE(run.stat().st_mode) == 0o777 & ~umask

@@ -1,0 +1,99 @@
+"""``--dataset imagefolder``: real PNG/JPEG files in the ImageFolder layout, written by the tests."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from revtrain.data import DatasetFormatError, DatasetNotFoundError, build_dataloaders, scan_image_folder
+from revtrain.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, _torchvision_image_folder
+from tests.data_files import COLOURS, make_image_folder, write_image
+
+def test_classes_samples_and_pixels(tmp_path: Path) -> None:
+    root = make_image_folder(tmp_path / "pics")
+    classes, samples = scan_image_folder(root / "train")
+    assert classes == ["cat", "dog", "owl"]
+    assert [Path(p).relative_to(root / "train").as_posix() for p, _ in samples[:3]] == \
+        ["cat/0.png", "cat/1.jpg", "cat/nested/2.png"]
+    assert [i for _, i in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    train, test, info = build_dataloaders("imagefolder", data_dir=root, batch_size=4, image_size=8, augment=False)
+    assert info.input_shape == (3, 8, 8) and info.num_classes == 3 and info.class_names == ("cat", "dog", "owl")
+    assert (info.train_size, info.test_size) == (9, 9)
+    x, y = next(iter(test))
+    assert x.shape == (4, 3, 8, 8) and x.dtype == torch.float32 and y.tolist() == [0, 0, 0, 1]
+    # A solid PNG decodes to its colour exactly: (v / 255 - mean) / std per channel.
+    expected = torch.tensor([(c / 255 - m) / s for c, m, s in zip(COLOURS["cat"], IMAGENET_MEAN, IMAGENET_STD)])
+    torch.testing.assert_close(x[0].mean(dim=(1, 2)), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(x[0], expected.view(3, 1, 1).expand(3, 8, 8), rtol=0, atol=1e-5)
+
+
+def test_matches_torchvision_where_it_imports(tmp_path: Path) -> None:
+    image_folder = _torchvision_image_folder()
+    if image_folder is None:
+        pytest.skip("torchvision does not import beside this torch; the built-in reader is used (tested above)")
+    root = make_image_folder(tmp_path / "pics")
+    found = image_folder(str(root / "train"))
+    assert scan_image_folder(root / "train") == (found.classes, [(p, i) for p, i in found.samples])
+
+
+def test_workers_give_the_same_batches(tmp_path: Path) -> None:
+    root = make_image_folder(tmp_path / "pics")
+    loaders = [build_dataloaders("imagefolder", data_dir=root, batch_size=4, image_size=8, num_workers=n)[0]
+               for n in (0, 2)]
+    assert loaders[1].num_workers == 2
+    for (xa, ya), (xb, yb) in zip(*loaders, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_empty_class_folder_names_it(tmp_path: Path) -> None:
+    root = make_image_folder(tmp_path / "pics")
+    (root / "train" / "emu").mkdir()
+    (root / "val" / "emu").mkdir()
+    with pytest.raises(DatasetFormatError, match=re.escape(f"class folder(s) {root / 'train' / 'emu'} hold no image")):
+        build_dataloaders("imagefolder", data_dir=root, batch_size=4)
+
+
+def test_unreadable_image_names_the_file(tmp_path: Path) -> None:
+    root = make_image_folder(tmp_path / "pics")
+    bad = root / "val" / "dog" / "broken.jpg"
+    bad.write_bytes(b"\xff\xd8 this is not a jpeg")
+    with pytest.raises(DatasetFormatError, match=f"not readable images: {bad}; replace or remove them"):
+        build_dataloaders("imagefolder", data_dir=root, batch_size=4)
+
+
+def test_different_classes_in_train_and_val_are_named(tmp_path: Path) -> None:
+    root = make_image_folder(tmp_path / "pics")
+    write_image(root / "train" / "emu" / "0.png", (1, 2, 3))
+    write_image(root / "val" / "yak" / "0.png", (1, 2, 3))
+    with pytest.raises(DatasetFormatError, match="different classes .only in train/: emu; only in val/: yak."):
+        build_dataloaders("imagefolder", data_dir=root, batch_size=4)
+
+
+def test_missing_folders_say_the_layout(tmp_path: Path) -> None:
+    with pytest.raises(DatasetNotFoundError, match="needs --data-dir D"):
+        build_dataloaders("imagefolder", batch_size=4)
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    with pytest.raises(DatasetNotFoundError, match="has no val/ folder.*train/<class>/"):
+        build_dataloaders("imagefolder", data_dir=tmp_path, batch_size=4)
+
+
+def test_augmentation_is_seeded_and_flips(tmp_path: Path) -> None:
+    root = tmp_path / "pics"
+    left_red = np.zeros((8, 8, 3), dtype=np.uint8)
+    left_red[:, :4, 0] = 255
+    for split in ("train", "val"):
+        for i in range(4):
+            path = root / split / "a" / f"{i}.png"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(left_red).save(path)
+    first = [x for x, _ in build_dataloaders("imagefolder", data_dir=root, batch_size=4, image_size=8, seed=3)[0]]
+    again = [x for x, _ in build_dataloaders("imagefolder", data_dir=root, batch_size=4, image_size=8, seed=3)[0]]
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    plain = next(iter(build_dataloaders("imagefolder", data_dir=root, batch_size=4, image_size=8,
+                                        augment=False)[0]))[0]
+    assert not torch.equal(first[0], plain)  # cropped or flipped
