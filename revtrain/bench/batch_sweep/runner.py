@@ -160,7 +160,7 @@ def _measure_batch_size(setup: MeasurementSetup, budget: int, config: PlannerBen
         f"refined in {refine_s:.1f} s; measuring ..."
     )
     settings: dict[str, str | Mapping[str, str]] = {
-        "baseline-M": "M", "baseline-C": "C", "plan": plan.modes, "plan (refine=0)": plan0.modes,
+        "baseline-M": "M", "baseline-C": "C", "plan": plan.setting(), "plan (refine=0)": plan0.setting(),
     }
     steps = measure_steps(setup, settings, repeats=config.repeats, warmup=config.warmup)
     m_step = steps["baseline-M"].step_time_s
