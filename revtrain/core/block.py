@@ -107,15 +107,8 @@ class ReversibleBlock(Invertible):
         preserve_rng_state: Capture the random generators before ``F`` and ``G`` in the forward
             and replay them in the rebuild, so dropout inside ``F``/``G`` rebuilds exactly. Turn
             off only when ``F`` and ``G`` use no randomness.
-        check_reconstruction: In M-mode, record a fingerprint of each input half in the forward
-            (its norm and a few random projections) and compare it with the rebuilt half in
-            backward: a non-finite rebuild raises :class:`~revtrain.errors.ReconstructionError`
-            naming the culprit; a relative error above ``drift_tolerance`` warns, or raises when
-            ``drift_action="raise"``.
-        drift_tolerance: Relative rebuild error allowed by that check.
-        drift_action: ``"warn"`` or ``"raise"``.
-        check_every: Check on one M-mode forward in this many (see
-            :class:`~revtrain.core.Invertible`); 1 checks every rebuild.
+        check_reconstruction, drift_tolerance, drift_action, check_every: The rebuild check
+            and its schedule (see :class:`~revtrain.core.Invertible`).
 
     Call it on one tensor (split in halves along ``split_dim``, output concatenated) or on a
     pair ``block((x1, x2)) -> (y1, y2)``. Further arguments go to ``F`` and ``G``:
@@ -138,9 +131,9 @@ class ReversibleBlock(Invertible):
         *,
         preserve_rng_state: bool = True,
         check_reconstruction: bool = True,
-        drift_tolerance: float = 1e-3,
+        drift_tolerance: float | None = None,
         drift_action: Literal["warn", "raise"] = "warn",
-        check_every: int = 1,
+        check_every: int | None = None,
     ) -> None:
         super().__init__(
             mode,

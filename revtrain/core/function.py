@@ -31,7 +31,6 @@ from torch import Tensor
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RunCheck
-from revtrain.core.fingerprint import Fingerprints, layout_of, take_rows
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
 from revtrain.core.randomness import enter_random_free, leave_random_free
@@ -102,46 +101,26 @@ class _ReversibleRun(torch.autograd.Function):
         extra = run.extra.with_tensors(extra_in) if run.n_extra else run.extra
         layers = run.layers
         records: list[Any] = []
-        layouts: list[Any] = []
-        due = [_check_due(layer) for layer in layers]
-        taken = Fingerprints()
-        inputs: list[int | None] = []  # where each layer's input fingerprint is in `taken`
-        output_prints: dict[int, int] = {}
+        autocast = AutocastState.capture(xs[0].device)
+        check = RunCheck.start(layers, autocast.dtype if autocast.enabled else xs[0].dtype)
         for i, layer in enumerate(layers):
-            layouts.append(layout_of(xs) if due[i] else None)
-            inputs.append(taken.add(xs, layouts[-1]) if due[i] else None)
             tensors = run.module_tensors[i]
             # Whether nothing below the layer draws random numbers: a block then skips capturing
             # the generators for its rebuild (core/randomness.py). Said for every layer, so no
             # layer inherits another's answer.
             token = enter_random_free(tensors is not None and tensors.random_free)
             try:
-                xs, record = layer.step_forward(xs, extra)
+                ys, record = layer.step_forward(xs, extra)
             finally:
                 leave_random_free(token)
+            if check is not None:
+                check.forward(i, xs, ys)
+            xs = ys
             records.append(record)
-            # A layer's output scale is the next layer's input fingerprint when there is one.
-            if due[i] and not (i + 1 < len(layers) and due[i + 1]):
-                output_prints[i] = taken.add(xs)
-        # The checked layers' input fingerprints and output norms, one tensor each for the run,
-        # top layer first: the order backward meets them (a non-finite rebuild is blamed on
-        # the first layer it appears in).
-        checked = [i for i in reversed(range(len(layers))) if inputs[i] is not None]
-        ctx.checked = checked
-        ctx.layouts = layouts
-        if checked:
-            # Each state once: a layer's output is the next layer's input where both are checked.
-            ends = [output_prints[i] if i in output_prints else inputs[i + 1] for i in checked]
-            starts = [inputs[i] for i in checked]
-            # Top first, the order backward reads them: a full run's inputs are one slice.
-            states = sorted(set(starts) | set(ends), reverse=True)  # type: ignore[arg-type]
-            row = {k: r for r, k in enumerate(states)}
-            ctx.prints = taken.stacked(states)  # type: ignore[arg-type]
-            ctx.print_rows = ([row[k] for k in starts], [row[k] for k in ends])
-        del taken
+        ctx.check = check
         ctx.run = run
         ctx.records = records
-        ctx.autocast = AutocastState.capture(xs[0].device)
+        ctx.autocast = autocast
         ctx.set_materialize_grads(False)
         outputs = xs if run.join_dim is None else (torch.cat(xs, dim=run.join_dim),)
         # What run_reversible fills in after the call (see _register); a run called any other
@@ -185,9 +164,7 @@ class _ReversibleRun(torch.autograd.Function):
         n = len(layers)
         param_grads: list[list[Tensor | None]] = [[] for _ in range(n)]
         extra_grads: list[Tensor | None] = [None] * run.n_extra
-        starts, ends = ctx.print_rows if ctx.checked else ([], [])
-        # Compared as the rebuilds come: what waits through the peak is one number per half.
-        rebuilt = RunCheck(ctx.prints, starts) if ctx.checked else None
+        check: RunCheck | None = ctx.check
         need_first = any(ctx.needs_input_grad[1:first_extra])
         # Backward runs with grad mode off; the rebuild needs graphs.
         # The state and its gradient travel as lists that a step may empty once it has taken
@@ -202,8 +179,8 @@ class _ReversibleRun(torch.autograd.Function):
             param_grads[i] = result.param_grads
             if result.extra_grads:
                 extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
-            if ctx.layouts[i] is not None:
-                rebuilt.add(result.inputs, ctx.layouts[i])  # type: ignore[union-attr]
+            if check is not None:
+                check.rebuilt(i, result.inputs)
 
         with torch.enable_grad(), ctx.autocast.context():
             if run.overlap and supports_phases(layers):
@@ -236,14 +213,10 @@ class _ReversibleRun(torch.autograd.Function):
                     state, grad_state = list(result.inputs), list(result.grad_inputs)
                     del result
         _hand_over(ctx, tuple(state))
-        if rebuilt is not None:
+        if check is not None:
             # Read here, before the run hands back its gradients: a non-finite rebuild raises
             # before they reach .grad, post-accumulate-grad hooks or a DDP all-reduce.
-            rebuilt.finish(
-                [layers[i] for i in ctx.checked],
-                lambda k: _where(layers[ctx.checked[k]], ctx.checked[k], n),
-                take_rows(ctx.prints, ends)[..., 0],
-            )
+            check.finish(layers, lambda i: _where(layers[i], i, n))
         dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]
         return (None, *dxs, *extra_grads, *flat)
@@ -253,23 +226,6 @@ def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     if a is None:
         return b
     return a if b is None else a + b
-
-
-def _check_due(layer: ReversibleStep) -> bool:
-    """Whether ``layer`` checks its rebuild in this forward: on every ``check_every``-th call,
-    counted per layer, so the layers of a model called once per step check on the same steps.
-    (Staggering them, layer ``i`` of a run on ``(calls + i) % k``, checked a few layers on most
-    steps, and most of the check's cost comes per run, not per layer: checking one of RevNet-38's
-    seven blocks took ~1.3 ms of a step, all seven in three runs ~3.9 ms; docs/core.md.)"""
-    if not layer.check_reconstruction:
-        return False
-    every = getattr(layer, "check_every", 1)
-    if every == 1:
-        return True
-    holder = owner_module(layer) or layer  # the inverse of a block counts on the block
-    calls = holder.__dict__.get("_check_calls", 0)
-    holder.__dict__["_check_calls"] = calls + 1
-    return calls % every == 0
 
 
 def _where(layer: ReversibleStep, i: int, n: int) -> str:

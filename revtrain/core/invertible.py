@@ -96,18 +96,20 @@ class Invertible(nn.Module, abc.ABC):
         preserve_rng_state: Capture the random generators in the forward and replay them in the
             rebuild, so randomness inside the layer (dropout) rebuilds exactly. Turn off only
             when the layer uses no randomness.
-        check_reconstruction: In M-mode, record a fingerprint of the input in the forward and
-            compare it with the rebuilt input: a non-finite rebuild raises
-            :class:`~revtrain.errors.ReconstructionError`; a relative difference above
-            ``drift_tolerance`` warns, or raises when ``drift_action="raise"``.
-        drift_tolerance: Relative rebuild error allowed by that check.
+        check_reconstruction: In M-mode, on the calls the schedule samples, sketch the input
+            in the forward (its norm and random projections, ``core/checks.py``) and compare it
+            with the rebuilt input: a non-finite rebuild raises
+            :class:`~revtrain.errors.ReconstructionError`; a relative difference above the
+            tolerance warns, or raises when ``drift_action="raise"``.
+        drift_tolerance: Relative rebuild error allowed by that check; None: by the precision
+            ``F`` and ``G`` compute in (``revtrain.core.checks.TOLERANCES``, the autocast dtype
+            where autocast is on).
         drift_action: ``"warn"`` or ``"raise"``.
-        check_every: Check the rebuild on one M-mode forward in this many (1: every one),
-            counted per layer: the layers of a model called once per step all check on the same
-            steps (most of the check's cost is per run of layers, so checking a few layers on
-            every step would save little). The check's cost (one extra read of each input and
-            rebuild, see docs/core.md) is divided by ``check_every``; a persistent drift is
-            reported within ``check_every`` steps.
+        check_every: Which M-mode calls the check samples, counted per layer (the layers of a
+            model called once per step check on the same steps). None: the first
+            ``FIRST_CHECKS`` calls, then one in ``DEFAULT_EVERY`` (``core/checks.py``), so a
+            persistent drift that appears late is reported within that many steps; ``k``: one
+            call in ``k``; 1: every call. ``set_rebuild_checks(model, k)`` sets it model-wide.
     """
 
     def __init__(
@@ -116,22 +118,23 @@ class Invertible(nn.Module, abc.ABC):
         *,
         preserve_rng_state: bool = True,
         check_reconstruction: bool = True,
-        drift_tolerance: float = 1e-3,
+        drift_tolerance: float | None = None,
         drift_action: Literal["warn", "raise"] = "warn",
-        check_every: int = 1,
+        check_every: int | None = None,
     ) -> None:
         super().__init__()
         if drift_action not in ("warn", "raise"):
             raise ValueError(f"drift_action must be 'warn' or 'raise', got {drift_action!r}")
-        if not isinstance(check_every, int) or check_every < 1:
+        if check_every is not None and (not isinstance(check_every, int) or check_every < 1):
             raise ValueError(
-                f"check_every must be a positive integer (1: check every rebuild), got {check_every!r}"
+                f"check_every must be None (the default schedule) or a positive integer (1: check "
+                f"every rebuild), got {check_every!r}"
             )
         self.check_every = check_every
         self.mode = mode
         self.preserve_rng_state = preserve_rng_state
         self.check_reconstruction = check_reconstruction
-        self.drift_tolerance = float(drift_tolerance)
+        self.drift_tolerance = None if drift_tolerance is None else float(drift_tolerance)
         self.drift_action = drift_action
 
     @property
@@ -233,7 +236,7 @@ class InverseStep:
         return self.module.check_reconstruction
 
     @property
-    def drift_tolerance(self) -> float:
+    def drift_tolerance(self) -> float | None:
         return self.module.drift_tolerance
 
     @property
@@ -241,8 +244,8 @@ class InverseStep:
         return self.module.drift_action
 
     @property
-    def check_every(self) -> int:
-        return getattr(self.module, "check_every", 1)
+    def check_every(self) -> int | None:
+        return getattr(self.module, "check_every", None)
 
     @functools.partial(gives_owner_params, of_module=True)
     def step_params(self) -> list[Tensor]:
