@@ -1,25 +1,16 @@
 """The rebuild check: does the input M-mode rebuilds in backward match the one the forward saw?
 
-On a step the check samples (:func:`check_due`), the forward takes a *sketch* of each checked
-layer's input and output state: per tensor, its norm and :data:`PROJECTIONS` random projections.
-Backward sketches the rebuilt input the same way and compares. Nothing is kept on a step the
-check does not sample.
+On a call the schedule samples (:func:`check_due`), the forward sketches each checked layer's
+input and output state, the backward the rebuilt input, and the run compares them. The sketch of
+a tensor (``n`` values as a matrix ``X`` of rows of about ``sqrt(n)``) is its norm and the 64
+entries of ``V^T X U``, Gaussian ``U``, ``V`` drawn from a fixed seed per size by their own
+generator (no cache, the model's random numbers untouched). Every entry of ``V^T D U`` has mean
+square ``|D|^2``, so the sketches' difference estimates the rebuild error in any direction.
 
-The sketch of a tensor of ``n`` values laid out as a matrix ``X`` (``r`` rows of about
-``sqrt(n)`` values) is ``V^T X U`` with Gaussian ``U`` (``sqrt(n) x 8``) and ``V`` (``r x 8``),
-drawn from a fixed seed for each size, so the forward and the rebuild meet the same
-projections. Every entry of ``V^T D U`` has mean square ``|D|^2``: the root mean square of the
-64 entries of the difference estimates the rebuild error ``|D|`` whatever its direction. The
-projections are drawn anew for each sketch, from their own generator: no cache grows with the
-number of input shapes, and the random numbers of the model (dropout) are left alone.
-
-The relative error of one half is that estimate divided by ``max(|x_half|, FLOOR * s)``, where
-``s`` is the larger of the norms of the layer's whole input and output: a half that is exactly
-zero is measured against the scale of the rest of the layer. A non-finite rebuild of a finite
-input raises :class:`~revtrain.errors.ReconstructionError` naming the culprit (the forward's
-``F``/``G``, or the inverse); an error above the layer's tolerance warns, or raises with
-``drift_action="raise"``. The default tolerance follows the precision ``F`` and ``G`` ran in
-(:data:`TOLERANCES`: the autocast dtype where autocast was on).
+A half's relative error is that estimate over ``max(|x_half|, FLOOR * s)``, ``s`` the larger norm
+of the layer's input and output. Above the tolerance (by default from :data:`TOLERANCES`, for the
+precision ``F`` and ``G`` ran in) it warns, or raises with ``drift_action="raise"``; a non-finite
+rebuild of a finite input raises, naming ``F``/``G`` or the inverse.
 """
 
 from __future__ import annotations
@@ -38,14 +29,10 @@ from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 __all__ = ["PROJECTIONS", "FLOOR", "FIRST_CHECKS", "DEFAULT_EVERY", "TOLERANCES", "check_due", "sketch",
            "tolerance_of", "RunCheck"]
 
-PROJECTIONS = 64
-"""Random projections per tensor in a sketch (an 8 x 8 matrix)."""
-FLOOR = 0.1
-"""A half's error is measured against at least this fraction of the layer's input/output scale."""
-FIRST_CHECKS = 5
-"""With the default schedule, the first M-mode calls of a layer that are all checked."""
-DEFAULT_EVERY = 50
-"""With the default schedule, one M-mode call in this many is checked after the first ones."""
+PROJECTIONS = 64  # random projections per tensor in a sketch (8 x 8)
+FLOOR = 0.1  # a half's error is measured against at least this fraction of the layer's scale
+FIRST_CHECKS = 5  # the default schedule checks a layer's first calls ...
+DEFAULT_EVERY = 50  # ... then one call in this many
 TOLERANCES = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 1e-1}
 """Default relative rebuild error allowed, by the precision ``F`` and ``G`` compute in."""
 
@@ -54,12 +41,9 @@ _SEED = 0x5EED
 
 
 def check_due(layer: Any) -> bool:
-    """Whether ``layer`` checks its rebuild in this M-mode forward (and counts the call).
-
-    ``check_every=None`` (the default): the first :data:`FIRST_CHECKS` calls, then one in
-    :data:`DEFAULT_EVERY`; ``check_every=k``: one call in ``k``, from the first. Calls are
-    counted per layer, so the layers of a model called once per step check on the same steps.
-    """
+    """Whether ``layer`` checks its rebuild in this M-mode forward (and counts the call, per
+    layer): ``check_every=None``: the first :data:`FIRST_CHECKS` calls, then one in
+    :data:`DEFAULT_EVERY`; ``k``: one call in ``k``, from the first."""
     if not layer.check_reconstruction:
         return False
     every = getattr(layer, "check_every", None)
@@ -84,7 +68,7 @@ def tolerance_of(layer: Any, compute_dtype: torch.dtype) -> float:
 def sketch(state: Sequence[Tensor]) -> Tensor:
     """``(len(state), 1 + PROJECTIONS)``: each tensor's norm and its projections (float64 for
     float64 tensors, float32 otherwise)."""
-    return torch.stack([_sketch_one(t) for t in state]) if len(state) > 1 else _sketch_one(state[0])[None]
+    return torch.stack([_sketch_one(t) for t in state])
 
 
 def _sketch_one(x: Tensor) -> Tensor:
@@ -96,7 +80,9 @@ def _sketch_one(x: Tensor) -> Tensor:
     n = flat.numel()
     width = 1 << max(0, math.isqrt(max(n, 1) - 1).bit_length())  # a power of two >= sqrt(n)
     rows, rest = divmod(n, width)
-    u, v = _projections(width, rows + (rest > 0), flat)
+    g = torch.Generator().manual_seed(_SEED)  # the same projections for the rebuild
+    uv = torch.randn(width + rows + (rest > 0), _SIDE, generator=g, dtype=torch.float64).to(flat)
+    u, v = uv[:width], uv[width:]
     parts = flat[: rows * width].view(rows, width) @ u  # (rows, 8)
     if rest:
         parts = torch.cat([parts, (flat[rows * width :] @ u[:rest])[None]])
@@ -105,20 +91,9 @@ def _sketch_one(x: Tensor) -> Tensor:
     return torch.cat([norm[None], projected])
 
 
-def _projections(width: int, rows: int, like: Tensor) -> tuple[Tensor, Tensor]:
-    g = torch.Generator().manual_seed(_SEED)
-    uv = torch.randn(width + rows, _SIDE, generator=g, dtype=torch.float64)
-    uv = uv.to(device=like.device, dtype=like.dtype)
-    return uv[:width], uv[width:]
-
-
 class RunCheck:
-    """The check of one M-mode run: the forward's sketches, the rebuilds' sketches, the verdict.
-
-    Args:
-        due: Per layer of the run, whether it is checked on this call.
-        compute_dtype: The precision ``F`` and ``G`` ran in (picks default tolerances).
-    """
+    """The check of one M-mode run: which layers are ``due``, the forward's and the rebuilds'
+    sketches, the verdict (default tolerances for ``compute_dtype``, what ``F``, ``G`` ran in)."""
 
     def __init__(self, due: Sequence[bool], compute_dtype: torch.dtype) -> None:
         self.due = list(due)

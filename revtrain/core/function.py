@@ -1,20 +1,12 @@
 """The autograd function behind M-mode: a run of reversible layers that keeps one output.
 
-One :class:`_ReversibleRun` covers a run of consecutive M-mode layers. Its forward runs them
-without building a graph (each layer's :meth:`~revtrain.core.step.ReversibleStep.step_forward`)
-and keeps only the run's output. Its backward walks the layers in reverse and calls each
-layer's :meth:`~revtrain.core.step.ReversibleStep.step_reverse`: rebuild the layer's input from
-its output while building the graph it needs once, backpropagate, hand the rebuilt input to the
-layer below. For a coupling block that is RevNet's Algorithm 1 (``F`` and ``G`` run once more
-each: about 4N in all, against 3N for plain autograd, never the 5N of "rebuild, then run the
-forward again").
-
-A run whose input is the complete output of another run takes that output over (see
-``core/handoff.py``): chained M-mode layers keep one output in all, in any container.
-
-The function knows layers only through the :class:`~revtrain.core.step.ReversibleStep`
-protocol. Nothing outlives a step: everything the backward needs lives on ``ctx``; the rebuilt
-input of a layer is the output of the layer below and dies as soon as that layer is done.
+:class:`_ReversibleRun`'s forward runs consecutive M-mode layers without a graph and keeps only
+the run's output; its backward walks them in reverse, each layer rebuilding its input and
+backpropagating (``step_reverse``: RevNet's Algorithm 1 for a coupling block, ``block.py``), and
+hands the rebuilt input to the layer below. The optional pieces are called at fixed points, each
+from its own file: the rebuild check (``checks.py``), the hand-over between consecutive runs
+(``handoff.py``), the overlapped schedule (``overlap.py``), FSDP2 unsharding (``sharding.py``)
+and the forward's tensors for ``functional_call`` (``replay.ModuleTensors``).
 """
 
 from __future__ import annotations
@@ -33,10 +25,9 @@ from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RunCheck
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
-from revtrain.core.randomness import enter_random_free, leave_random_free
 from revtrain.core.replay import AutocastState, ModuleTensors
 from revtrain.core.sharding import unsharded
-from revtrain.core.step import ReversibleStep, State, StepResult, owner_module, walk_gives_params
+from revtrain.core.step import ReversibleStep, State, StepResult, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
 
 __all__ = ["run_reversible", "run_spec", "check_state"]
@@ -45,10 +36,6 @@ __all__ = ["run_reversible", "run_spec", "check_state"]
 def check_state(xs: State) -> None:
     """Raise a clear error when the tensors of a state cannot be mapped together."""
     first = xs[0]
-    if len(xs) == 2 and type(first) is Tensor and type(xs[1]) is Tensor:  # the usual pair, fast
-        second = xs[1]
-        if first.dtype == second.dtype and first.dtype.is_floating_point and first.device == second.device:
-            return
     for i, x in enumerate(xs):
         if not isinstance(x, Tensor):
             raise ReversibilityError(
@@ -81,8 +68,7 @@ class _Run:
     extra: ExtraArgs
     n_extra: int
     module_tensors: tuple[ModuleTensors | None, ...]
-    overlap: bool = False
-    """Overlap each layer's gradients with the rebuild of the layer below (``core/overlap.py``)."""
+    overlap: bool = False  # overlap each layer's gradients with the rebuild below (overlap.py)
 
     def state_of(self, outputs: Sequence[Tensor]) -> State:
         """The output state of the run from its output tensors."""
@@ -104,15 +90,7 @@ class _ReversibleRun(torch.autograd.Function):
         autocast = AutocastState.capture(xs[0].device)
         check = RunCheck.start(layers, autocast.dtype if autocast.enabled else xs[0].dtype)
         for i, layer in enumerate(layers):
-            tensors = run.module_tensors[i]
-            # Whether nothing below the layer draws random numbers: a block then skips capturing
-            # the generators for its rebuild (core/randomness.py). Said for every layer, so no
-            # layer inherits another's answer.
-            token = enter_random_free(tensors is not None and tensors.random_free)
-            try:
-                ys, record = layer.step_forward(xs, extra)
-            finally:
-                leave_random_free(token)
+            ys, record = layer.step_forward(xs, extra)
             if check is not None:
                 check.forward(i, xs, ys)
             xs = ys
@@ -166,10 +144,8 @@ class _ReversibleRun(torch.autograd.Function):
         extra_grads: list[Tensor | None] = [None] * run.n_extra
         check: RunCheck | None = ctx.check
         need_first = any(ctx.needs_input_grad[1:first_extra])
-        # Backward runs with grad mode off; the rebuild needs graphs.
-        # The state and its gradient travel as lists that a step may empty once it has taken
-        # what it needs (a coupling block drops y2 and dy1 before F's backward): the loop
-        # itself holds no reference to a tensor the step no longer needs.
+        # The state and its gradient travel as lists that a step empties once it has taken them:
+        # the loop holds no reference to a tensor the step no longer needs.
         state: list[Tensor] = list(ys)
         grad_state: list[Tensor | None] = list(dys)
         del ys, dys
@@ -195,20 +171,11 @@ class _ReversibleRun(torch.autograd.Function):
                 state, grad_state = list(bottom.inputs), list(bottom.grad_inputs)
                 del bottom
             else:
-                for i in reversed(range(n)):
-                    layer = layers[i]
-                    tensors = run.module_tensors[i]
-                    # As in the forward: FSDP2-sharded layers whole (core/sharding.py), the
-                    # forward's parameters and buffers, norm statistics frozen.
-                    with unsharded(layers[i : i + 1]):
-                        swapped = tensors.enter() if tensors is not None else None
-                        try:
-                            result = layer.step_reverse(
-                                state, grad_state, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
-                            )
-                        finally:
-                            if tensors is not None:
-                                tensors.leave(swapped)  # type: ignore[arg-type]
+                for i in reversed(range(n)):  # Algorithm 1, layer by layer (block.py)
+                    with _as_in_forward(run, i):
+                        result = layers[i].step_reverse(
+                            state, grad_state, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
+                        )
                     on_result(i, result)
                     state, grad_state = list(result.inputs), list(result.grad_inputs)
                     del result
@@ -244,14 +211,8 @@ def _as_in_forward(run: _Run, i: int) -> Iterator[None]:
     """The rebuild of layer ``i`` sees its modules as the forward did: same parameters and
     buffers (``functional_call``), norm statistics not updated a second time."""
     tensors = run.module_tensors[i]
-    # FSDP2-sharded layers are made whole first (core/sharding.py), as the forward saw them.
-    with unsharded(run.layers[i : i + 1]):
-        swapped = tensors.enter() if tensors is not None else None
-        try:
-            yield
-        finally:
-            if tensors is not None:
-                tensors.leave(swapped)  # type: ignore[arg-type]
+    with unsharded(run.layers[i : i + 1]), tensors.in_place() if tensors is not None else contextlib.nullcontext():
+        yield
 
 
 def _live_extra(run: _Run, saved_extra: Sequence[Tensor], needs_grad: Sequence[bool]) -> ExtraArgs:
@@ -372,6 +333,7 @@ def _rebuild_input(node: Any) -> State:
 # -- the entry point ---------------------------------------------------------------------------
 
 
+@torch.compiler.disable
 def run_reversible(
     layers: Sequence[ReversibleStep],
     xs: State,
@@ -392,6 +354,10 @@ def run_reversible(
             it: a run that produced exactly that is taken over (None: never).
         overlap: Overlap each layer's gradients with the rebuild of the layer below
             (``core/overlap.py``; layers without phases run one after the other).
+
+    ``torch.compile`` of a model does not trace into a run (its Python, the check and the
+    hand-over are not graph material): the run is a graph break and runs eagerly, so no guard
+    of it recompiles; ``revtrain.compile_model`` compiles ``F`` and ``G`` themselves.
     """
     if torch._C._are_functorch_transforms_active():
         raise ReversibilityError(
@@ -429,9 +395,7 @@ def run_spec(
     return _Run(
         layers=tuple(layers),
         join_dim=join_dim,
-        # From the walk that found the modules' tensors where that is what step_params gives.
-        param_lists=tuple(list(t.params) if t is not None and walk_gives_params(layer) else layer.step_params()
-                          for layer, t in zip(layers, tensors)),
+        param_lists=tuple(layer.step_params() for layer in layers),
         n_state=n_state,
         extra=extra,
         n_extra=len(extra.tensors),
@@ -446,8 +410,7 @@ def _register(
     node.kept_refs = [weakref.ref(h) for h in holders] if holders is not None else None
     node.output_refs = [weakref.ref(t) for t in outputs]
     node.output_versions = [t._version for t in outputs]
-    # What each saved tensor was (outputs, then extra arguments), for version checks when the
-    # caller's own saved-tensor hooks hold the copies.
+    # For version checks where the caller's saved-tensor hooks hold the copies.
     node.input_refs = node.output_refs + [weakref.ref(t) for t in extra.tensors]
     node.input_versions = node.output_versions + [t._version for t in extra.tensors]
     if source is None or holders is None:
