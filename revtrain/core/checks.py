@@ -98,8 +98,11 @@ class RunCheck:
     def __init__(self, due: Sequence[bool], compute_dtype: torch.dtype) -> None:
         self.due = list(due)
         self.compute_dtype = compute_dtype
-        self.before: dict[int, Tensor] = {}  # state index (layer i's input is i) -> sketch
-        self.after: dict[int, Tensor] = {}
+        # Sketches as host lists (state index -> sketch; layer i's input is state i): no tensor
+        # is kept between forward and backward, on a sampled step either.
+        self.before: dict[int, list] = {}
+        self.after: dict[int, list] = {}
+        self.cuda = False
 
     @classmethod
     def start(cls, layers: Sequence[Any], compute_dtype: torch.dtype) -> RunCheck | None:
@@ -111,13 +114,14 @@ class RunCheck:
         """Layer ``i`` mapped ``xs`` to ``ys`` in the forward."""
         if self.due[i]:
             if i not in self.before:
-                self.before[i] = sketch(xs)
-            self.before[i + 1] = sketch(ys)
+                self.before[i] = sketch(xs).tolist()
+            self.before[i + 1] = sketch(ys).tolist()
+            self.cuda = xs[0].is_cuda
 
     def rebuilt(self, i: int, xs: Sequence[Tensor]) -> None:
         """Backward rebuilt ``xs`` as layer ``i``'s input."""
         if self.due[i]:
-            self.after[i] = sketch(xs)
+            self.after[i] = sketch(xs).tolist()
 
     def finish(self, layers: Sequence[Any], where: Any) -> list[float]:
         """Compare and report (``where(i)`` names layer ``i``); returns the relative error of each
@@ -125,11 +129,8 @@ class RunCheck:
         checked = sorted(self.after, reverse=True)
         if not checked:
             return []
-        # One copy to the host for the whole run (one wait on a GPU).
-        tensors = [self.before[i] for i in checked] + [self.after[i] for i in checked] + [self.before[i + 1] for i in checked]
-        flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu()
-        parts = iter(flat.split([t.numel() for t in tensors]))
-        shaped = [next(parts).view(t.shape) for t in tensors]
+        lists = [self.before[i] for i in checked] + [self.after[i] for i in checked] + [self.before[i + 1] for i in checked]
+        shaped = [torch.tensor(v, dtype=torch.float64) for v in lists]
         k = len(checked)
         errors: list[float] = []
         over: list[tuple[float, int, str, float]] = []
@@ -163,7 +164,7 @@ class RunCheck:
                 f"(relative error of input {half}, estimated from {PROJECTIONS} random projections) "
                 f"> drift_tolerance={tolerance:g}{others}; gradients may be inaccurate. Use float64, "
                 "fewer consecutive M-mode layers, C-mode for this layer, or an exact coupling "
-                "(coupling='exact'); raise drift_tolerance to accept it" + _tf32_hint(self.before[i])
+                "(coupling='exact'); raise drift_tolerance to accept it" + _tf32_hint(self.cuda)
             )
             if strict:
                 raise ReconstructionError(message)
@@ -171,10 +172,10 @@ class RunCheck:
         return errors
 
 
-def _tf32_hint(printed: Tensor) -> str:
+def _tf32_hint(cuda: bool) -> str:
     """On CUDA with TF32 allowed, name it: TF32 rounds what ``F`` and ``G`` read to 10 mantissa
     bits, which can magnify rebuild errors."""
-    if not printed.is_cuda:
+    if not cuda:
         return ""
     on = [name for name, flag in _tf32_flags() if flag]
     if not on:

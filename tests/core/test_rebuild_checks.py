@@ -349,13 +349,11 @@ def test_set_rebuild_checks_refuses_anything_but_a_count_and_changes_nothing(eve
 
 
 def test_a_drift_message_on_cuda_names_tf32_when_it_is_allowed(monkeypatch):
-    from types import SimpleNamespace
-
     from revtrain.core import checks
 
     assert [name for name, _ in checks._tf32_flags()] == [
         "torch.backends.cudnn.allow_tf32", "torch.backends.cuda.matmul.allow_tf32"]
-    on_gpu, on_cpu = SimpleNamespace(is_cuda=True), SimpleNamespace(is_cuda=False)
+    on_gpu, on_cpu = True, False
     flags = [("torch.backends.cudnn.allow_tf32", True), ("torch.backends.cuda.matmul.allow_tf32", False)]
     monkeypatch.setattr(checks, "_tf32_flags", lambda: flags)
     assert "torch.backends.cudnn.allow_tf32 is True" in checks._tf32_hint(on_gpu)
@@ -422,10 +420,9 @@ def test_a_rebuild_in_another_precision_is_compared_through_whole_fingerprints()
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("check_every", [1, 2])
 def test_an_m_mode_step_on_cuda_syncs_with_the_host_only_to_read_its_verdicts(check_every):
-    """Indexing a GPU tensor with a Python list waits for the device; the check's only wait is
-    the one copy of the run's verdicts to the host, on a step that checks (with ``check_every=2``
-    every other step checks, the first after the warm-up's even count; the other step waits for
-    nothing)."""
+    """The check waits for the device only on a step it samples (its sketches go to the host);
+    with ``check_every=2`` every other step checks, the first after the warm-up's even count, and
+    the other step waits for nothing."""
     torch.manual_seed(0)
     model = make_stack(4, check_every=check_every).cuda()
     x = torch.randn(2, 8, 4, 4, device="cuda", requires_grad=True)
@@ -445,7 +442,7 @@ def test_an_m_mode_step_on_cuda_syncs_with_the_host_only_to_read_its_verdicts(ch
         # Only the warnings of synchronising ops (set_sync_debug_mode's first call also warns
         # that the mode is a prototype).
         counts.append(sum("called a synchronizing CUDA operation" in str(w.message) for w in caught))
-    assert counts == [1] + [0] * (check_every - 1), counts
+    assert counts[0] >= 1 and counts[1:] == [0] * (check_every - 1), counts
 
 
 def test_a_non_finite_rebuild_raises_before_the_run_hands_back_its_gradients():
