@@ -98,8 +98,7 @@ class RunCheck:
     def __init__(self, due: Sequence[bool], compute_dtype: torch.dtype) -> None:
         self.due = list(due)
         self.compute_dtype = compute_dtype
-        # Sketches as host lists (state index -> sketch; layer i's input is state i): no tensor
-        # is kept between forward and backward, on a sampled step either.
+        # Host lists, state index -> sketch (layer i's input is state i): no tensor is kept.
         self.before: dict[int, list] = {}
         self.after: dict[int, list] = {}
         self.cuda = False
