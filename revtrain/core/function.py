@@ -88,7 +88,7 @@ class _ReversibleRun(torch.autograd.Function):
         layers = run.layers
         records: list[Any] = []
         autocast = AutocastState.capture(xs[0].device)
-        check = RunCheck.start(layers, autocast.dtype if autocast.enabled else xs[0].dtype)
+        check = None if xs[0].is_meta else RunCheck.start(layers, autocast.dtype if autocast.enabled else xs[0].dtype)
         for i, layer in enumerate(layers):
             ys, record = layer.step_forward(xs, extra)
             if check is not None:
