@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from revtrain.core import Invertible, ReversibleBlock
-from revtrain.core.randomness import COMPILED_FORWARD
 
 __all__ = ["compile_model", "uncompile_model", "RECOMPILE_LIMIT"]
 
@@ -65,9 +64,6 @@ def compile_model(model: nn.Module, **compile_kwargs: Any) -> list[str]:
             compiled[cls] = torch.compile(cls.forward, **compile_kwargs)
         module.forward = types.MethodType(compiled[cls], module)  # type: ignore[method-assign]
         setattr(module, _MARK, True)
-        # The compiled class forward computes what the class's does: the M-mode check for
-        # randomness may judge the module by its class (core/randomness.py).
-        setattr(module, COMPILED_FORWARD, (compiled[cls], cls.forward))
         names.append(name)
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -95,7 +91,6 @@ def uncompile_model(model: nn.Module) -> int:
         if getattr(module, _MARK, False):
             del module.forward
             delattr(module, _MARK)
-            module.__dict__.pop(COMPILED_FORWARD, None)
             count += 1
     return count
 

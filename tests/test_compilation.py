@@ -69,3 +69,43 @@ def test_a_deep_copy_of_a_compiled_model_trains_its_own_parameters(compiled):
     replica(torch.randn(3, 1, 5, 5, dtype=torch.float64)).sum().backward()
     assert all(p.grad is None for p in compiled.parameters())
     assert all(p.grad is not None for p in replica.parameters())
+
+
+def test_torch_compile_of_a_zoo_model_in_a_users_loop_matches_eager_without_recompile_warnings():
+    """``torch.compile(model)`` as a user writes it, on the zoo's RevNet-38 in M-mode: a short
+    training loop recompiles nothing past dynamo's limit (M-mode runs are graph breaks that run
+    eagerly) and its gradients equal eager mode's, step after step, in float64."""
+    import logging
+    import warnings
+
+    from revtrain.models import create_model
+
+    torch.manual_seed(0)
+    model = create_model("revnet38", in_channels=1, num_classes=10).double()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                x, y = torch.randn(4, 1, 8, 8, dtype=torch.float64), torch.randint(0, 10, (4,))
+                for m, opt in zip((compiled, eager), optimizers):
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(m(x), y).backward()
+                for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+                    torch.testing.assert_close(q.grad, p.grad, rtol=1e-9, atol=1e-12, msg=name)
+                for opt in optimizers:
+                    opt.step()
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    said = [r.getMessage() for r in records] + [str(w.message) for w in caught]
+    assert not [m for m in said if "recompile" in m.lower() or "cache_size_limit" in m], said

@@ -1,10 +1,7 @@
 """Extra arguments of a reversible layer, passed on to ``F`` and ``G`` (masks, positions, conditioning).
 
 ``block(x, mask, positions=pos)`` calls ``F(x2, mask, positions=pos)`` and ``G(y1, mask,
-positions=pos)``. In M-mode the same arguments are replayed in the rebuild, and tensors among
-them that require grad get their gradient (summed over ``F``, ``G`` and every layer of a run),
-exactly as plain autograd would give it. :class:`ExtraArgs` holds the arguments with their
-tensors pulled out, so that the M-mode autograd function can take those tensors as inputs.
+positions=pos)``; M-mode replays them in the rebuild and their tensors get gradients.
 """
 
 from __future__ import annotations

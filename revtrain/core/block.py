@@ -21,7 +21,6 @@ from revtrain.core.coupling import (
     get_coupling,
 )
 from revtrain.core.function import check_state, run_reversible
-from revtrain.core.overlap import finish_phases
 from revtrain.core.invertible import (
     MODES,
     InverseStep,
@@ -31,7 +30,6 @@ from revtrain.core.invertible import (
     replay,
     route_extra_grads,
 )
-from revtrain.core.randomness import known_random_free
 from revtrain.core.replay import RngState
 from revtrain.core.step import Grads, State, StepResult, autograd_grads
 from revtrain.errors import ReversibilityError
@@ -85,15 +83,9 @@ class _Roles:
 class ReversibleBlock(Invertible):
     """A reversible coupling block ``y1 = c(x1, F(x2)), y2 = c(x2, G(y1))``.
 
-    The block works under plain ``loss.backward()`` and ``torch.autograd.grad``. Its mode
-    decides what backward costs:
-
-    - ``"M"`` (memory-centric): the input is not kept; backward rebuilds it from the output
-      with the inverse, building the graphs of ``F`` and ``G`` once and reusing them for the
-      gradients (RevNet Algorithm 1: ``F`` and ``G`` run once more each). Consecutive M-mode
-      blocks keep only their last output, whether inside a
-      :class:`~revtrain.core.ReversibleSequence` or chained in any container.
-    - ``"C"`` (compute-centric): plain autograd; keeps what backward needs, no extra compute.
+    Its mode decides what backward costs: ``"M"`` keeps no input and rebuilds it in backward
+    (RevNet's Algorithm 1, :func:`_couple_reverse`; chained M-mode blocks keep only their last
+    output, in any container); ``"C"`` is plain autograd.
 
     Args:
         f: Module applied to the second half; its output is coupled into the first half.
@@ -104,18 +96,11 @@ class ReversibleBlock(Invertible):
             :class:`~revtrain.core.Coupling` instance.
         split_dim: Dimension along which a single input tensor is split in halves.
         mode: ``"M"`` or ``"C"``; can be changed any time through ``block.mode``.
-        preserve_rng_state: Capture the random generators before ``F`` and ``G`` in the forward
-            and replay them in the rebuild, so dropout inside ``F``/``G`` rebuilds exactly. Turn
-            off only when ``F`` and ``G`` use no randomness.
-        check_reconstruction: In M-mode, record a fingerprint of each input half in the forward
-            (its norm and a few random projections) and compare it with the rebuilt half in
-            backward: a non-finite rebuild raises :class:`~revtrain.errors.ReconstructionError`
-            naming the culprit; a relative error above ``drift_tolerance`` warns, or raises when
-            ``drift_action="raise"``.
-        drift_tolerance: Relative rebuild error allowed by that check.
-        drift_action: ``"warn"`` or ``"raise"``.
-        check_every: Check on one M-mode forward in this many (see
-            :class:`~revtrain.core.Invertible`); 1 checks every rebuild.
+        preserve_rng_state: Capture the random generators before ``F`` and ``G`` and replay
+            them in the rebuild (only for the one that drew), so dropout rebuilds exactly. Pass
+            False where ``F`` and ``G`` draw no random numbers: the captures then go too.
+        check_reconstruction, drift_tolerance, drift_action, check_every: The rebuild check
+            and its schedule (see :class:`~revtrain.core.Invertible`).
 
     Call it on one tensor (split in halves along ``split_dim``, output concatenated) or on a
     pair ``block((x1, x2)) -> (y1, y2)``. Further arguments go to ``F`` and ``G``:
@@ -138,9 +123,9 @@ class ReversibleBlock(Invertible):
         *,
         preserve_rng_state: bool = True,
         check_reconstruction: bool = True,
-        drift_tolerance: float = 1e-3,
+        drift_tolerance: float | None = None,
         drift_action: Literal["warn", "raise"] = "warn",
-        check_every: int = 1,
+        check_every: int | None = None,
     ) -> None:
         super().__init__(
             mode,
@@ -165,12 +150,7 @@ class ReversibleBlock(Invertible):
 
     @property
     def roles(self) -> _Roles:
-        # Made once per (F, G, coupling): this runs for every block call.
-        f, g, coupling = self._modules["f"], self._modules["g"], self.coupling
-        roles = self.__dict__.get("_roles")
-        if roles is None or roles.f is not f or roles.g is not g or roles.coupling is not coupling:
-            roles = self.__dict__["_roles"] = _Roles(f, g, "F", "G", coupling)  # type: ignore[arg-type]
-        return roles
+        return _Roles(self.f, self.g, "F", "G", self.coupling)
 
     @property
     def inverse_roles(self) -> _Roles:
@@ -267,7 +247,7 @@ class ReversibleBlock(Invertible):
     # -- the reversible step: RevNet Algorithm 1 ---------------------------------------------
 
     def step_forward(self, xs: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
-        return _couple_forward(self, self.roles, xs[0], xs[1], extra, rng=_capture_rng(self))
+        return _couple_forward(self, self.roles, xs[0], xs[1], extra, rng=self.preserve_rng_state)
 
     def step_reverse(
         self,
@@ -298,7 +278,7 @@ class _BlockInverse(InverseStep):
 
     def step_forward(self, ys: State, extra: ExtraArgs = NO_ARGS) -> tuple[State, Any]:
         block = self.module
-        (x2, x1), record = _couple_forward(block, block.inverse_roles, ys[1], ys[0], extra, rng=_capture_rng(block))
+        (x2, x1), record = _couple_forward(block, block.inverse_roles, ys[1], ys[0], extra, rng=block.preserve_rng_state)
         return (x1, x2), record
 
     def step_reverse(
@@ -317,17 +297,6 @@ class _BlockInverse(InverseStep):
 
 
 # -- the two halves of the algorithm, for a block or its inverse -------------------------------
-
-
-_BUILT_IN_COUPLINGS = frozenset({AdditiveCoupling, ExactAdditiveCoupling, AffineCoupling})
-"""Couplings whose forward and inverse draw no random numbers (matched by exact type)."""
-
-
-def _capture_rng(block: ReversibleBlock) -> bool:
-    """Whether a block's M-mode forward captures the random generators for its rebuild: when
-    asked to (``preserve_rng_state``), unless the run knows that nothing below the block draws
-    random numbers (``core/randomness.py``) and the coupling is a built-in one."""
-    return block.preserve_rng_state and not (known_random_free() and type(block.coupling) in _BUILT_IN_COUPLINGS)
 
 
 def _couple_forward(
@@ -359,95 +328,97 @@ def _couple_reverse(
     need_input_grad: bool,
     extra: ExtraArgs,
 ) -> StepResult:
-    """Rebuild ``(x1, x2)`` from ``(y1, y2)`` and backpropagate, building each graph once.
+    """RevNet's Algorithm 1: from the output ``(y1, y2)`` and its gradient ``(dy1, dy2)`` back
+    to the input ``(x1, x2)``, its gradient and the parameter gradients.
 
-    ``G`` runs once on ``y1`` building its graph: ``x2 = c⁻¹(y2, G(y1))`` is rebuilt and
-    ``dy2`` backpropagated through that graph; then ``F`` runs once on the rebuilt ``x2``
-    building its graph: ``x1 = c⁻¹(y1, F(x2))``, and ``dz1`` is backpropagated. The three
-    phases of :func:`_couple_phases`, one after the other.
+    ``G`` and ``F`` run once each, building the graph that their backward then reuses: about
+    4N for the block (forward N, rebuild N, backward 2N), never "rebuild, then run the forward
+    again". A gradient of None means "this output was not used": like plain autograd, the
+    functions that only feed it then get no gradient.
     """
-    phases = _couple_phases(roles, ys, record, params, need_input_grad, extra, build_g=dys[1] is not None)
-    next(phases)
-    phases.send(dys)
-    return finish_phases(phases)
+    rng_f, rng_g = (record.rng_f, record.rng_g) if isinstance(record, _CouplingRecord) else (None, None)
+    y1, y2 = ys
+    dy1, dy2 = dys
+    _consume(ys, dys)  # from here on, each tensor dies as soon as this function is done with it
+    params = list(params)
+    wrt = [*params, *(t for t in extra.tensors if t.requires_grad)]
+
+    # 1. x2 = c⁻¹(y2, G(y1)), keeping G's graph (z1 is y1 as G's input).
+    z1, h_g, x2 = _rebuild_half(roles.g, roles.coupling, y1, y2, rng_g, extra, dy2 is not None, True)
+    del y2
+    # 2. Backward through G and the coupling: dx2 so far, and dz1 = dy1 + dG/dz1ᵀ dh_g.
+    dx2, dz1, grads = _backprop_half(roles.coupling, z1, h_g, x2, dy2, dy1, wrt, True)
+    del dy1, dy2, h_g
+    # 3. x1 = c⁻¹(y1, F(x2)), keeping F's graph (x2 requires grad where its gradient is needed).
+    build_f = dz1 is not None
+    x2, h_f, x1 = _rebuild_half(roles.f, roles.coupling, x2, z1, rng_f, extra, build_f, need_input_grad and build_f)
+    del y1, z1
+    # 4. Backward through F and the coupling: dx1, and dx2 += dF/dx2ᵀ dh_f.
+    dx1, dx2_f, f_grads = _backprop_half(roles.coupling, x2, h_f, x1, dz1, None, wrt, need_input_grad)
+    grads = [_sum(a, b) for a, b in zip(grads, f_grads)]
+    n = len(params)
+    x2_out = x2.detach() if x2.requires_grad else x2
+    return StepResult((x1, x2_out), (dx1, _sum(dx2, dx2_f)), grads[:n], route_extra_grads(extra, grads[n:]))
+
+
+def _rebuild_half(
+    fn: nn.Module, coupling: Coupling, inp: Tensor, out: Tensor, rng: RngState | None, extra: ExtraArgs,
+    graph: bool, input_grad: bool,
+) -> tuple[Tensor, FOut, Tensor]:
+    """One rebuild of Algorithm 1: ``h = fn(inp)`` (with its graph when ``graph``, replaying the
+    forward's random numbers) and the half ``x = c⁻¹(out, h)``. Returns ``(inp as fn's input,
+    h, x)``; ``x`` carries no graph."""
+    inp = inp.detach().requires_grad_(input_grad and graph)
+    with replay(rng), torch.set_grad_enabled(graph):
+        h = extra.call(fn, inp)
+    with torch.no_grad():
+        x = coupling.inverse(out, _detached(h))
+    return inp, h, (x.detach() if x.requires_grad else x)
+
+
+def _backprop_half(
+    coupling: Coupling, inp: Tensor, h: FOut, x: Tensor, dy: Tensor | None, d_inp: Tensor | None,
+    wrt: list[Tensor], input_grad: bool,
+) -> tuple[Tensor | None, Tensor | None, list[Tensor | None]]:
+    """The backward of one half of Algorithm 1: ``dy`` (the gradient of ``y = c(x, h)``) through
+    the coupling and through ``fn``'s graph. Returns ``(dx, d_inp, grads of wrt)``, ``d_inp``
+    added to the gradient that already reached ``fn``'s input."""
+    if dy is None:
+        return None, d_inp, [None] * len(wrt)
+    dx, dh = coupling.vjp(x, _detached(h), dy)
+    del dy
+    grads = autograd_grads([h], [inp, *wrt] if input_grad else wrt, [dh])
+    d_fn = grads.pop(0) if input_grad else None
+    return dx, (d_fn if d_inp is None else _add(d_inp, d_fn)), grads
 
 
 def _couple_phases(
-    roles: _Roles,
-    ys: State,
-    record: Any,
-    params: Sequence[Tensor],
-    need_input_grad: bool,
-    extra: ExtraArgs,
-    *,
-    build_g: bool = True,
+    roles: _Roles, ys: State, record: Any, params: Sequence[Tensor], need_input_grad: bool, extra: ExtraArgs
 ) -> Generator[Any, Any, StepResult]:
-    """Algorithm 1 in three phases, so that a driver can interleave the phases of two blocks
-    (PaReprop: rebuild the block below while this one computes gradients).
-
-    1. ``G`` forward on ``y1`` (with its graph when ``build_g``) and ``x2`` rebuilt; then it
-       yields and receives the output gradients ``dys``.
-    2. ``G``'s backward, ``F`` forward on ``x2`` and ``x1`` rebuilt; yields the rebuilt input.
-    3. ``F``'s backward; returns the :class:`StepResult`.
-    """
-    rng_f = record.rng_f if isinstance(record, _CouplingRecord) else None
-    rng_g = record.rng_g if isinstance(record, _CouplingRecord) else None
-    coupling = roles.coupling
+    """:func:`_couple_reverse` in three phases, for ``core/overlap.py``: (1) rebuild ``x2``, then
+    receive ``dys``; (2) ``G``'s backward and rebuild ``x1``, then yield the rebuilt input;
+    (3) ``F``'s backward and return the result."""
+    rng_f, rng_g = (record.rng_f, record.rng_g) if isinstance(record, _CouplingRecord) else (None, None)
     y1, y2 = ys
-    _consume(ys, ())  # from here on, y2 dies as soon as this function is done with it
+    _consume(ys, ())
     params = list(params)
-    extra_wrt = [t for t in extra.tensors if t.requires_grad]
-    n_params = len(params)
-    z1 = y1.detach().requires_grad_(build_g)
-    with replay(rng_g), torch.set_grad_enabled(build_g):
-        h_g = extra.call(roles.g, z1)
-    h_g_value = _detached(h_g)
-    with torch.no_grad():
-        x2 = coupling.inverse(y2, h_g_value)
+    wrt = [*params, *(t for t in extra.tensors if t.requires_grad)]
+    z1, h_g, x2 = _rebuild_half(roles.g, roles.coupling, y1, y2, rng_g, extra, True, True)
     del y2
-
     dys = yield None
     dy1, dy2 = dys
-    _consume((), dys)  # dy1 dies once added into dz1
-    # A gradient of None means "this output was not used": like plain autograd, the
-    # functions that only feed it then get no gradient (None, not zeros).
-    dx2: Tensor | None = None
-    grads: list[Tensor | None] = [None] * (n_params + len(extra_wrt))
-    dz1 = dy1
-    if dy2 is not None:
-        dx2, dh_g = coupling.vjp(x2, h_g_value, dy2)
-        del dy2
-        dz1_g, *grads = autograd_grads([h_g], [z1, *params, *extra_wrt], [dh_g])
-        del dh_g
-        dz1 = dz1_g if dy1 is None else _add(dy1, dz1_g)
-        del dz1_g
-    del h_g, h_g_value, dy1
-
+    _consume((), dys)
+    dx2, dz1, grads = _backprop_half(roles.coupling, z1, h_g, x2, dy2, dy1, wrt, True)
+    del dy1, dy2, h_g
     build_f = dz1 is not None
-    x2 = x2.detach().requires_grad_(need_input_grad and build_f)
-    with replay(rng_f), torch.set_grad_enabled(build_f):
-        h_f = extra.call(roles.f, x2)
-    h_f_value = _detached(h_f)
-    with torch.no_grad():  # z1 as it is: no graph is built here, and a detach is one more op
-        x1 = coupling.inverse(z1, h_f_value)
-    if x1.requires_grad:  # an inverse that returned z1 itself, or turned grad mode back on
-        x1 = x1.detach()
-    del y1, z1  # G's graph is gone: nothing reads the output half any more
-
-    # The rebuilt x2 as the layer below sees it: without F's graph (one detach, for both uses).
+    x2, h_f, x1 = _rebuild_half(roles.f, roles.coupling, x2, z1, rng_f, extra, build_f, need_input_grad and build_f)
+    del y1, z1
     x2_out = x2.detach() if x2.requires_grad else x2
     yield (x1, x2_out)
-    dx1: Tensor | None = None
-    if build_f:
-        dx1, dh_f = coupling.vjp(x1, h_f_value, dz1)  # type: ignore[arg-type]
-        f_inputs = [x2, *params, *extra_wrt] if need_input_grad else [*params, *extra_wrt]
-        f_grads = autograd_grads([h_f], f_inputs, [dh_f])
-        if need_input_grad:
-            dx2_f = f_grads.pop(0)
-            dx2 = dx2_f if dx2 is None else _add(dx2, dx2_f)
-        grads = [_sum(a, b) for a, b in zip(grads, f_grads)]
-    extra_grads = route_extra_grads(extra, grads[n_params:])
-    return StepResult((x1, x2_out), (dx1, dx2), grads[:n_params], extra_grads)
+    dx1, dx2_f, f_grads = _backprop_half(roles.coupling, x2, h_f, x1, dz1, None, wrt, need_input_grad)
+    grads = [_sum(a, b) for a, b in zip(grads, f_grads)]
+    n = len(params)
+    return StepResult((x1, x2_out), (dx1, _sum(dx2, dx2_f)), grads[:n], route_extra_grads(extra, grads[n:]))
 
 
 def _explain_call_error(fn: nn.Module, fn_name: str, inp: Tensor, extra: ExtraArgs, err: Exception) -> None:

@@ -116,16 +116,11 @@ class ExactAdditiveCoupling(AdditiveCoupling):
     """RevNet's additive coupling on a fixed-point grid: ``y = x + q(h)``, rebuilt bit-exactly.
 
     ``q`` rounds to the nearest multiple of ``2**-fraction_bits`` (gradient passed straight
-    through). A block with this coupling first puts its input on the grid (unless it comes from
-    another exact block, where it already is); every half then stays a multiple of the grid
-    step, and sums of such values are exact in floating point while they stay below
-    ``2**(p - fraction_bits)`` (``p`` = 24 significant bits in float32, 53 in float64). So
-    ``x = y - q(F(x2))`` rebuilds the input bit for bit, whatever the depth, provided ``F``
-    and ``G`` return the same bits when run again on the same input (true on CPU; on CUDA use
-    ``torch.use_deterministic_algorithms(True)``). M-mode gradients then equal C-mode
-    gradients of the same quantised network exactly. Every block checks its output range
-    after the forward (one device sync per block) and raises
-    :class:`~revtrain.errors.GridOverflowError` instead of losing exactness.
+    through; ``core/fixed_point.py``). A block puts its input on the grid unless it comes from
+    another exact block; ``x = y - q(F(x2))`` then rebuilds the input bit for bit at any depth
+    if ``F`` and ``G`` are deterministic (on CUDA: ``torch.use_deterministic_algorithms``), so
+    M-mode gradients equal C-mode's exactly. Out of range, a block raises
+    :class:`~revtrain.errors.GridOverflowError` (one device sync per block).
 
     Args:
         fraction_bits: Bits after the binary point: grid step ``2**-fraction_bits``.

@@ -1,22 +1,11 @@
 """A fixed-point grid on which additive couplings rebuild their input exactly (RevNet §3.2).
 
-Floating-point addition rounds, so ``(x + h) - h`` is ``x`` only up to rounding, and over many
-blocks the rebuilt activations drift (RevNet §5.2). The paper's remedy: keep the halves ``x``,
-``y`` in fixed point and compute ``F`` and ``G`` in ordinary floating point. Here the fixed-point
-numbers are stored in the halves' own floating-point dtype, as multiples of the grid step
-``2**-fraction_bits``:
-
-- ``q(t) = round(t * 2**f) / 2**f`` puts a tensor on the grid (multiplying by a power of two is
-  exact, so only the rounding changes the value);
-- a multiple ``k · 2**-f`` is exactly representable while ``|k| <= 2**p`` (``p`` = 24
-  significant bits in float32, 53 in float64), i.e. while ``|value| <= 2**(p - f)``;
-- the sum or difference of two representable grid values is again a grid value, computed
-  exactly while its magnitude stays within that bound.
-
-So ``y = x + q(h)`` and ``x = y - q(h)`` are exact inverses as long as every half stays below the
-bound (checked: :class:`~revtrain.errors.GridOverflowError` otherwise) and ``h = F(x2)`` comes out
-bit-identical when ``F`` runs again on the identical ``x2``. The default ``f = 12`` gives a grid
-step of 2.4e-4 and a range of ±4096 in float32 (±2.2e12 in float64).
+The halves are kept as multiples of ``2**-f`` in their own float dtype: ``q(t) = round(t * 2**f)
+/ 2**f``. Such a value is exact while ``|value| <= 2**(p - f)`` (``p`` = 24 significant bits in
+float32, 53 in float64), and sums of two of them are computed exactly within that range, so
+``y = x + q(h)`` and ``x = y - q(h)`` are exact inverses while every half stays in range (else
+:class:`~revtrain.errors.GridOverflowError`) and ``F`` is deterministic. ``f = 12``: step 2.4e-4,
+range ±4096 in float32.
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The autograd function behind M-mode: a run of reversible layers that keeps one output.
 
-One :class:`_ReversibleRun` covers a run of consecutive M-mode layers. Its forward runs them
-without building a graph (each layer's :meth:`~revtrain.core.step.ReversibleStep.step_forward`)
-and keeps only the run's output. Its backward walks the layers in reverse and calls each
-layer's :meth:`~revtrain.core.step.ReversibleStep.step_reverse`: rebuild the layer's input from
-its output while building the graph it needs once, backpropagate, hand the rebuilt input to the
-layer below. For a coupling block that is RevNet's Algorithm 1 (``F`` and ``G`` run once more
-each: about 4N in all, against 3N for plain autograd, never the 5N of "rebuild, then run the
-forward again").
-
-A run whose input is the complete output of another run takes that output over (see
-``core/handoff.py``): chained M-mode layers keep one output in all, in any container.
-
-The function knows layers only through the :class:`~revtrain.core.step.ReversibleStep`
-protocol. Nothing outlives a step: everything the backward needs lives on ``ctx``; the rebuilt
-input of a layer is the output of the layer below and dies as soon as that layer is done.
+:class:`_ReversibleRun`'s forward runs consecutive M-mode layers without a graph and keeps only
+the run's output; its backward walks them in reverse, each layer rebuilding its input and
+backpropagating (``step_reverse``: RevNet's Algorithm 1 for a coupling block, ``block.py``), and
+hands the rebuilt input to the layer below. The optional pieces are called at fixed points, each
+from its own file: the rebuild check (``checks.py``), the hand-over between consecutive runs
+(``handoff.py``), the overlapped schedule (``overlap.py``), FSDP2 unsharding (``sharding.py``)
+and the forward's tensors for ``functional_call`` (``replay.ModuleTensors``).
 """
 
 from __future__ import annotations
@@ -31,13 +23,11 @@ from torch import Tensor
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RunCheck
-from revtrain.core.fingerprint import Fingerprints, layout_of, take_rows
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_phases
-from revtrain.core.randomness import enter_random_free, leave_random_free
 from revtrain.core.replay import AutocastState, ModuleTensors
 from revtrain.core.sharding import unsharded
-from revtrain.core.step import ReversibleStep, State, StepResult, owner_module, walk_gives_params
+from revtrain.core.step import ReversibleStep, State, StepResult, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
 
 __all__ = ["run_reversible", "run_spec", "check_state"]
@@ -46,10 +36,6 @@ __all__ = ["run_reversible", "run_spec", "check_state"]
 def check_state(xs: State) -> None:
     """Raise a clear error when the tensors of a state cannot be mapped together."""
     first = xs[0]
-    if len(xs) == 2 and type(first) is Tensor and type(xs[1]) is Tensor:  # the usual pair, fast
-        second = xs[1]
-        if first.dtype == second.dtype and first.dtype.is_floating_point and first.device == second.device:
-            return
     for i, x in enumerate(xs):
         if not isinstance(x, Tensor):
             raise ReversibilityError(
@@ -82,8 +68,7 @@ class _Run:
     extra: ExtraArgs
     n_extra: int
     module_tensors: tuple[ModuleTensors | None, ...]
-    overlap: bool = False
-    """Overlap each layer's gradients with the rebuild of the layer below (``core/overlap.py``)."""
+    overlap: bool = False  # overlap each layer's gradients with the rebuild below (overlap.py)
 
     def state_of(self, outputs: Sequence[Tensor]) -> State:
         """The output state of the run from its output tensors."""
@@ -102,46 +87,18 @@ class _ReversibleRun(torch.autograd.Function):
         extra = run.extra.with_tensors(extra_in) if run.n_extra else run.extra
         layers = run.layers
         records: list[Any] = []
-        layouts: list[Any] = []
-        due = [_check_due(layer) for layer in layers]
-        taken = Fingerprints()
-        inputs: list[int | None] = []  # where each layer's input fingerprint is in `taken`
-        output_prints: dict[int, int] = {}
+        autocast = AutocastState.capture(xs[0].device)
+        check = None if xs[0].is_meta else RunCheck.start(layers, autocast.dtype if autocast.enabled else xs[0].dtype)
         for i, layer in enumerate(layers):
-            layouts.append(layout_of(xs) if due[i] else None)
-            inputs.append(taken.add(xs, layouts[-1]) if due[i] else None)
-            tensors = run.module_tensors[i]
-            # Whether nothing below the layer draws random numbers: a block then skips capturing
-            # the generators for its rebuild (core/randomness.py). Said for every layer, so no
-            # layer inherits another's answer.
-            token = enter_random_free(tensors is not None and tensors.random_free)
-            try:
-                xs, record = layer.step_forward(xs, extra)
-            finally:
-                leave_random_free(token)
+            ys, record = layer.step_forward(xs, extra)
+            if check is not None:
+                check.forward(i, xs, ys)
+            xs = ys
             records.append(record)
-            # A layer's output scale is the next layer's input fingerprint when there is one.
-            if due[i] and not (i + 1 < len(layers) and due[i + 1]):
-                output_prints[i] = taken.add(xs)
-        # The checked layers' input fingerprints and output norms, one tensor each for the run,
-        # top layer first: the order backward meets them (a non-finite rebuild is blamed on
-        # the first layer it appears in).
-        checked = [i for i in reversed(range(len(layers))) if inputs[i] is not None]
-        ctx.checked = checked
-        ctx.layouts = layouts
-        if checked:
-            # Each state once: a layer's output is the next layer's input where both are checked.
-            ends = [output_prints[i] if i in output_prints else inputs[i + 1] for i in checked]
-            starts = [inputs[i] for i in checked]
-            # Top first, the order backward reads them: a full run's inputs are one slice.
-            states = sorted(set(starts) | set(ends), reverse=True)  # type: ignore[arg-type]
-            row = {k: r for r, k in enumerate(states)}
-            ctx.prints = taken.stacked(states)  # type: ignore[arg-type]
-            ctx.print_rows = ([row[k] for k in starts], [row[k] for k in ends])
-        del taken
+        ctx.check = check
         ctx.run = run
         ctx.records = records
-        ctx.autocast = AutocastState.capture(xs[0].device)
+        ctx.autocast = autocast
         ctx.set_materialize_grads(False)
         outputs = xs if run.join_dim is None else (torch.cat(xs, dim=run.join_dim),)
         # What run_reversible fills in after the call (see _register); a run called any other
@@ -185,14 +142,10 @@ class _ReversibleRun(torch.autograd.Function):
         n = len(layers)
         param_grads: list[list[Tensor | None]] = [[] for _ in range(n)]
         extra_grads: list[Tensor | None] = [None] * run.n_extra
-        starts, ends = ctx.print_rows if ctx.checked else ([], [])
-        # Compared as the rebuilds come: what waits through the peak is one number per half.
-        rebuilt = RunCheck(ctx.prints, starts) if ctx.checked else None
+        check: RunCheck | None = ctx.check
         need_first = any(ctx.needs_input_grad[1:first_extra])
-        # Backward runs with grad mode off; the rebuild needs graphs.
-        # The state and its gradient travel as lists that a step may empty once it has taken
-        # what it needs (a coupling block drops y2 and dy1 before F's backward): the loop
-        # itself holds no reference to a tensor the step no longer needs.
+        # The state and its gradient travel as lists that a step empties once it has taken them:
+        # the loop holds no reference to a tensor the step no longer needs.
         state: list[Tensor] = list(ys)
         grad_state: list[Tensor | None] = list(dys)
         del ys, dys
@@ -202,8 +155,8 @@ class _ReversibleRun(torch.autograd.Function):
             param_grads[i] = result.param_grads
             if result.extra_grads:
                 extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
-            if ctx.layouts[i] is not None:
-                rebuilt.add(result.inputs, ctx.layouts[i])  # type: ignore[union-attr]
+            if check is not None:
+                check.rebuilt(i, result.inputs)
 
         with torch.enable_grad(), ctx.autocast.context():
             if run.overlap and supports_phases(layers):
@@ -218,32 +171,19 @@ class _ReversibleRun(torch.autograd.Function):
                 state, grad_state = list(bottom.inputs), list(bottom.grad_inputs)
                 del bottom
             else:
-                for i in reversed(range(n)):
-                    layer = layers[i]
-                    tensors = run.module_tensors[i]
-                    # As in the forward: FSDP2-sharded layers whole (core/sharding.py), the
-                    # forward's parameters and buffers, norm statistics frozen.
-                    with unsharded(layers[i : i + 1]):
-                        swapped = tensors.enter() if tensors is not None else None
-                        try:
-                            result = layer.step_reverse(
-                                state, grad_state, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
-                            )
-                        finally:
-                            if tensors is not None:
-                                tensors.leave(swapped)  # type: ignore[arg-type]
+                for i in reversed(range(n)):  # Algorithm 1, layer by layer (block.py)
+                    with _as_in_forward(run, i):
+                        result = layers[i].step_reverse(
+                            state, grad_state, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
+                        )
                     on_result(i, result)
                     state, grad_state = list(result.inputs), list(result.grad_inputs)
                     del result
         _hand_over(ctx, tuple(state))
-        if rebuilt is not None:
+        if check is not None:
             # Read here, before the run hands back its gradients: a non-finite rebuild raises
             # before they reach .grad, post-accumulate-grad hooks or a DDP all-reduce.
-            rebuilt.finish(
-                [layers[i] for i in ctx.checked],
-                lambda k: _where(layers[ctx.checked[k]], ctx.checked[k], n),
-                take_rows(ctx.prints, ends)[..., 0],
-            )
+            check.finish(layers, lambda i: _where(layers[i], i, n))
         dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]
         return (None, *dxs, *extra_grads, *flat)
@@ -253,23 +193,6 @@ def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     if a is None:
         return b
     return a if b is None else a + b
-
-
-def _check_due(layer: ReversibleStep) -> bool:
-    """Whether ``layer`` checks its rebuild in this forward: on every ``check_every``-th call,
-    counted per layer, so the layers of a model called once per step check on the same steps.
-    (Staggering them, layer ``i`` of a run on ``(calls + i) % k``, checked a few layers on most
-    steps, and most of the check's cost comes per run, not per layer: checking one of RevNet-38's
-    seven blocks took ~1.3 ms of a step, all seven in three runs ~3.9 ms; docs/core.md.)"""
-    if not layer.check_reconstruction:
-        return False
-    every = getattr(layer, "check_every", 1)
-    if every == 1:
-        return True
-    holder = owner_module(layer) or layer  # the inverse of a block counts on the block
-    calls = holder.__dict__.get("_check_calls", 0)
-    holder.__dict__["_check_calls"] = calls + 1
-    return calls % every == 0
 
 
 def _where(layer: ReversibleStep, i: int, n: int) -> str:
@@ -288,14 +211,8 @@ def _as_in_forward(run: _Run, i: int) -> Iterator[None]:
     """The rebuild of layer ``i`` sees its modules as the forward did: same parameters and
     buffers (``functional_call``), norm statistics not updated a second time."""
     tensors = run.module_tensors[i]
-    # FSDP2-sharded layers are made whole first (core/sharding.py), as the forward saw them.
-    with unsharded(run.layers[i : i + 1]):
-        swapped = tensors.enter() if tensors is not None else None
-        try:
-            yield
-        finally:
-            if tensors is not None:
-                tensors.leave(swapped)  # type: ignore[arg-type]
+    with unsharded(run.layers[i : i + 1]), tensors.in_place() if tensors is not None else contextlib.nullcontext():
+        yield
 
 
 def _live_extra(run: _Run, saved_extra: Sequence[Tensor], needs_grad: Sequence[bool]) -> ExtraArgs:
@@ -416,6 +333,7 @@ def _rebuild_input(node: Any) -> State:
 # -- the entry point ---------------------------------------------------------------------------
 
 
+@torch.compiler.disable
 def run_reversible(
     layers: Sequence[ReversibleStep],
     xs: State,
@@ -436,6 +354,10 @@ def run_reversible(
             it: a run that produced exactly that is taken over (None: never).
         overlap: Overlap each layer's gradients with the rebuild of the layer below
             (``core/overlap.py``; layers without phases run one after the other).
+
+    ``torch.compile`` of a model does not trace into a run (its Python, the check and the
+    hand-over are not graph material): the run is a graph break and runs eagerly, so no guard
+    of it recompiles; ``revtrain.compile_model`` compiles ``F`` and ``G`` themselves.
     """
     if torch._C._are_functorch_transforms_active():
         raise ReversibilityError(
@@ -473,9 +395,7 @@ def run_spec(
     return _Run(
         layers=tuple(layers),
         join_dim=join_dim,
-        # From the walk that found the modules' tensors where that is what step_params gives.
-        param_lists=tuple(list(t.params) if t is not None and walk_gives_params(layer) else layer.step_params()
-                          for layer, t in zip(layers, tensors)),
+        param_lists=tuple(layer.step_params() for layer in layers),
         n_state=n_state,
         extra=extra,
         n_extra=len(extra.tensors),
@@ -490,8 +410,7 @@ def _register(
     node.kept_refs = [weakref.ref(h) for h in holders] if holders is not None else None
     node.output_refs = [weakref.ref(t) for t in outputs]
     node.output_versions = [t._version for t in outputs]
-    # What each saved tensor was (outputs, then extra arguments), for version checks when the
-    # caller's own saved-tensor hooks hold the copies.
+    # For version checks where the caller's saved-tensor hooks hold the copies.
     node.input_refs = node.output_refs + [weakref.ref(t) for t in extra.tensors]
     node.input_versions = node.output_versions + [t._version for t in extra.tensors]
     if source is None or holders is None:

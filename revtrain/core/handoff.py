@@ -1,29 +1,16 @@
 """What an M-mode run keeps of its output, and how the next M-mode run takes it over.
 
-An M-mode run keeps one thing for backward: its output. When that output is the input of another
-M-mode run — blocks chained in a Python loop, an ``nn.Sequential`` or an ``nn.ModuleList``, not
-only inside one ``ReversibleSequence`` — the later run rebuilds that very tensor in its own
-backward, so the earlier run need not keep it. The later run (the *taker*) takes over the earlier
-run's (the *producer's*) output when it is created: the producer drops its copy, and the taker
-hands the rebuilt tensor over in backward, before the producer's backward runs (autograd runs a
-node only after every consumer of its output). Chained M-mode blocks then keep one output in all,
-whatever container holds them.
+When an M-mode run's output is the input of another M-mode run (blocks chained in any
+container), the later run (the *taker*) rebuilds that tensor in its own backward, so the earlier
+run (the *producer*) drops its copy and the taker hands the rebuilt tensor over (autograd runs a
+node only after every consumer of its output). Otherwise the producer uses, in order: the tensor
+handed over; its own copy; the output itself if still held unchanged; a rebuild from the taker's
+output; else a :class:`~revtrain.errors.ReconstructionError` saying what happened.
 
-The producer must still get its output when the taker cannot hand it over. In order:
-
-1. the tensor the taker handed over in this backward pass;
-2. its own kept copy (no taker);
-3. the output tensor itself, if something else still holds it unchanged (same version);
-4. a rebuild from the taker's kept output (the taker's backward did not run: its output does not
-   reach the loss, or ran in an earlier backward pass);
-5. otherwise a :class:`~revtrain.errors.ReconstructionError` that says what happened.
-
-Outputs are kept through saved-tensor hooks that wrap each saved tensor in a :class:`Kept` holder:
-autograd owns the holder as it owns any saved tensor (frees it after a backward without
-``retain_graph``, refuses a second backward), the run's node holds only a weak reference, and a
-taker can empty it. Saved-tensor hooks of the caller (offloading, memory profilers) still pack
-every saved tensor. Version counters are checked by hand (autograd does not check tensors that
-went through hooks): modifying a kept output in place is still refused.
+Outputs are kept through saved-tensor hooks that wrap each in a :class:`Kept` holder: autograd
+owns it like any saved tensor, the run's node holds a weak reference, a taker can empty it, and
+the caller's own hooks still pack it. Version counters are checked by hand (in-place edits of a
+kept output are refused).
 """
 
 from __future__ import annotations
@@ -42,12 +29,8 @@ _EMPTY = torch.empty(0)
 
 
 class Kept:
-    """A saved tensor that its owner's taker may drop.
-
-    Holds what the saved-tensor hooks around the call packed: the tensor itself, or what the
-    caller's own hooks made of it when some were active (``torch.autograd.graph.save_on_cpu``,
-    a memory profiler): those still see and pack every tensor an M-mode run saves.
-    """
+    """A saved tensor that its owner's taker may drop: the tensor itself, or what the caller's
+    own saved-tensor hooks (``save_on_cpu``, a profiler) made of it."""
 
     __slots__ = ("packed", "alias", "version", "outer_unpack", "__weakref__")
 
@@ -82,12 +65,9 @@ class Kept:
 
 @contextlib.contextmanager
 def keep_saved() -> Iterator[list[Kept] | None]:
-    """Wrap every tensor saved in the body in a :class:`Kept` holder; yield the holders.
-
-    Hooks the caller installed keep working: each holder packs its tensor with them. Yields
-    None (and saves plainly) where saved-tensor hooks are disabled (some compilers do that);
-    runs saved that way are never taken over.
-    """
+    """Wrap every tensor saved in the body in a :class:`Kept` holder (packed with the caller's
+    hooks, if any); yield the holders, or None where saved-tensor hooks are disabled (then the
+    run saves plainly and is never taken over)."""
     if not torch._C._autograd._saved_tensors_hooks_is_enabled():
         yield None
         return
@@ -112,12 +92,8 @@ def kept_tensors(refs: Sequence[weakref.ref[Kept]] | None) -> list[Kept | None]:
 
 
 def find_producer(source: Any, backward_cls: type) -> Any | None:
-    """The node of the M-mode run whose complete output is ``source``, in order, or None.
-
-    ``source`` is what a layer was called with (one tensor, or a tuple of tensors). It qualifies
-    when every tensor is an output of the same run node, output ``k`` at position ``k``,
-    unmodified since (an in-place edit changes a tensor's ``grad_fn``, a view has its own).
-    """
+    """The node of the M-mode run whose complete, unmodified output is ``source`` (a tensor or
+    a tuple, output ``k`` at position ``k``), or None."""
     tensors = source if isinstance(source, (tuple, list)) else (source,)
     if not tensors or not all(isinstance(t, Tensor) for t in tensors):
         return None

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,8 +41,8 @@ from torch import Tensor, nn
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.function import check_state, run_reversible
-from revtrain.core.replay import RngState, own_trainable_params, submodules
-from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads, gives_owner_params
+from revtrain.core.replay import RngState
+from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads
 
 __all__ = [
     "Invertible",
@@ -72,9 +71,8 @@ def normalize_mode(mode: str) -> Mode:
 
 
 def trainable_params(*modules: nn.Module) -> list[Tensor]:
-    """The parameters of ``modules`` that require grad, each once, in module order
-    (``module.parameters()``, walked without generators)."""
-    return own_trainable_params(m for module in modules for m in submodules(module))
+    """The parameters of ``modules`` that require grad, each once, in module order."""
+    return list({id(p): p for module in modules for p in module.parameters() if p.requires_grad}.values())
 
 
 def replay(state: RngState | None) -> contextlib.AbstractContextManager[None]:
@@ -94,20 +92,18 @@ class Invertible(nn.Module, abc.ABC):
         mode: ``"M"`` (memory-centric: keep only the output, rebuild the input in backward) or
             ``"C"`` (compute-centric: plain autograd). Settable any time via ``layer.mode``.
         preserve_rng_state: Capture the random generators in the forward and replay them in the
-            rebuild, so randomness inside the layer (dropout) rebuilds exactly. Turn off only
-            when the layer uses no randomness.
-        check_reconstruction: In M-mode, record a fingerprint of the input in the forward and
-            compare it with the rebuilt input: a non-finite rebuild raises
-            :class:`~revtrain.errors.ReconstructionError`; a relative difference above
-            ``drift_tolerance`` warns, or raises when ``drift_action="raise"``.
-        drift_tolerance: Relative rebuild error allowed by that check.
+            rebuild, so randomness (dropout) rebuilds exactly. Off only where the layer draws
+            no random numbers.
+        check_reconstruction: In M-mode, compare the rebuilt input with a sketch of the input
+            taken in the forward (``core/checks.py``) on the calls ``check_every`` samples: a
+            non-finite rebuild raises :class:`~revtrain.errors.ReconstructionError`; a relative
+            error above the tolerance warns, or raises with ``drift_action="raise"``.
+        drift_tolerance: That tolerance; None: by the precision ``F`` and ``G`` compute in
+            (``checks.TOLERANCES``, the autocast dtype where autocast is on).
         drift_action: ``"warn"`` or ``"raise"``.
-        check_every: Check the rebuild on one M-mode forward in this many (1: every one),
-            counted per layer: the layers of a model called once per step all check on the same
-            steps (most of the check's cost is per run of layers, so checking a few layers on
-            every step would save little). The check's cost (one extra read of each input and
-            rebuild, see docs/core.md) is divided by ``check_every``; a persistent drift is
-            reported within ``check_every`` steps.
+        check_every: None: the first ``FIRST_CHECKS`` calls, then one in ``DEFAULT_EVERY``
+            (a late drift is reported within that many steps); ``k``: one call in ``k``; 1:
+            every call. Counted per layer; ``set_rebuild_checks(model, k)`` sets it model-wide.
     """
 
     def __init__(
@@ -116,22 +112,23 @@ class Invertible(nn.Module, abc.ABC):
         *,
         preserve_rng_state: bool = True,
         check_reconstruction: bool = True,
-        drift_tolerance: float = 1e-3,
+        drift_tolerance: float | None = None,
         drift_action: Literal["warn", "raise"] = "warn",
-        check_every: int = 1,
+        check_every: int | None = None,
     ) -> None:
         super().__init__()
         if drift_action not in ("warn", "raise"):
             raise ValueError(f"drift_action must be 'warn' or 'raise', got {drift_action!r}")
-        if not isinstance(check_every, int) or check_every < 1:
+        if check_every is not None and (not isinstance(check_every, int) or check_every < 1):
             raise ValueError(
-                f"check_every must be a positive integer (1: check every rebuild), got {check_every!r}"
+                f"check_every must be None (the default schedule) or a positive integer (1: check "
+                f"every rebuild), got {check_every!r}"
             )
         self.check_every = check_every
         self.mode = mode
         self.preserve_rng_state = preserve_rng_state
         self.check_reconstruction = check_reconstruction
-        self.drift_tolerance = float(drift_tolerance)
+        self.drift_tolerance = None if drift_tolerance is None else float(drift_tolerance)
         self.drift_action = drift_action
 
     @property
@@ -197,7 +194,6 @@ class Invertible(nn.Module, abc.ABC):
 
     # -- the reversible step (see revtrain.core.step.ReversibleStep) -------------------------
 
-    @gives_owner_params
     def step_params(self) -> list[Tensor]:
         return trainable_params(self)
 
@@ -228,23 +224,11 @@ class InverseStep:
     def __init__(self, layer: Invertible) -> None:
         self.module = layer
 
-    @property
-    def check_reconstruction(self) -> bool:
-        return self.module.check_reconstruction
+    def __getattr__(self, name: str) -> Any:
+        if name in ("check_reconstruction", "drift_tolerance", "drift_action", "check_every"):
+            return getattr(self.module, name)  # the layer's rebuild check settings
+        raise AttributeError(name)
 
-    @property
-    def drift_tolerance(self) -> float:
-        return self.module.drift_tolerance
-
-    @property
-    def drift_action(self) -> str:
-        return self.module.drift_action
-
-    @property
-    def check_every(self) -> int:
-        return getattr(self.module, "check_every", 1)
-
-    @functools.partial(gives_owner_params, of_module=True)
     def step_params(self) -> list[Tensor]:
         return self.module.step_params()
 

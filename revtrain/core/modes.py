@@ -1,8 +1,5 @@
-"""Find the reversible layers of any model and read or set their modes by module name.
-
-A reversible layer is any :class:`~revtrain.core.Invertible`: coupling blocks
-(:class:`~revtrain.core.ReversibleBlock`) and invertible layers alike.
-"""
+"""Find the reversible layers (every :class:`~revtrain.core.Invertible`) of any model and read
+or set their modes and rebuild checks by module name."""
 
 from __future__ import annotations
 
@@ -30,12 +27,9 @@ def get_modes(model: nn.Module) -> dict[str, Mode]:
 
 
 def set_modes(model: nn.Module, modes: str | Mapping[str, str]) -> dict[str, Mode]:
-    """Set every block to one mode (``"M"``/``"C"``), or blocks by name from a mapping.
-
-    A mapping must name only blocks that exist; blocks it does not name keep their mode.
-    Returns the modes now in force. Raises ``ValueError`` naming unknown blocks (the mapping
-    was probably made for another model) before changing anything.
-    """
+    """Set every block to one mode (``"M"``/``"C"``), or blocks by name from a mapping (others
+    keep theirs); returns the modes now in force. Raises ``ValueError`` naming unknown blocks
+    before changing anything."""
     blocks = dict(reversible_blocks(model))
     if isinstance(modes, str):
         mode = normalize_mode(modes)
@@ -59,12 +53,10 @@ def set_modes(model: nn.Module, modes: str | Mapping[str, str]) -> dict[str, Mod
 def set_rebuild_checks(model: nn.Module, every: int) -> int:
     """Check the M-mode rebuilds of every reversible layer of ``model`` on one forward in ``every``.
 
-    ``every=1`` checks every rebuild (the layers' default), ``every=k`` one forward in ``k``
-    (see ``check_every`` of :class:`~revtrain.core.Invertible`), and ``every=0`` never: the check then
-    costs nothing, and a rebuild that drifts or turns non-finite goes unnoticed until the loss
-    shows it. The check is the cost that separates M-mode from revlib's unchecked rebuild: 14-16%
-    of an unchecked step at batch 8, 16 channels, 8×8 on a CPU, ~8% of a RevNet-38 step on
-    digits (README, "Measured results"; docs/core.md, "Sampling the check").
+    ``every=1`` checks every rebuild, ``every=k`` one forward in ``k`` (see ``check_every`` of
+    :class:`~revtrain.core.Invertible`; the layers' default samples the first few calls, then one
+    in ``revtrain.core.checks.DEFAULT_EVERY``), and ``every=0`` never: a rebuild that drifts or
+    turns non-finite then goes unnoticed until the loss shows it.
 
     Returns the number of layers set. Raises ``ValueError`` for anything but an integer >= 0,
     before changing anything.
@@ -88,12 +80,9 @@ def set_rebuild_checks(model: nn.Module, every: int) -> int:
 def use_exact_couplings(model: nn.Module, fraction_bits: int = 12) -> int:
     """Put every additive coupling block of ``model`` on a fixed-point grid (exact rebuilds).
 
-    Each :class:`~revtrain.core.ReversibleBlock` with an additive coupling gets an
-    :class:`~revtrain.core.ExactAdditiveCoupling` with ``fraction_bits``; the network becomes
-    its quantised twin (activations rounded to multiples of ``2**-fraction_bits``), whose
-    M-mode gradients equal its C-mode gradients bit for bit. Returns the number of blocks
-    changed. Raises ``ValueError`` before changing anything if a block uses another coupling
-    (affine couplings multiply, which no fixed-point grid keeps exact).
+    The network becomes its quantised twin, whose M-mode gradients equal its C-mode gradients
+    bit for bit. Returns the number of blocks changed; raises ``ValueError`` before changing
+    anything if a block uses another coupling.
     """
     blocks = [m for _, m in reversible_blocks(model) if isinstance(m, ReversibleBlock)]
     others = [type(b.coupling).__name__ for b in blocks if not isinstance(b.coupling, AdditiveCoupling)]

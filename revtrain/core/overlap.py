@@ -1,20 +1,11 @@
 """PaReprop-style overlap: rebuild the block below while this block computes its gradients.
 
-M-mode's backward does, per coupling block, three things in order (RevNet Algorithm 1, split
-into *phases* by :meth:`ReversibleBlock.reverse_phases`):
-
-1. ``G`` forward on ``y1`` and ``x2`` rebuilt (needs only the block's output);
-2. ``G``'s backward with the output gradients, ``F`` forward and ``x1`` rebuilt;
-3. ``F``'s backward: the gradients of the block's input and parameters.
-
-Phase 1 of block ``i-1`` needs only block ``i``'s rebuilt input, which phase 2 of block ``i``
-produced, so it can run while phase 3 of block ``i`` runs. PaReprop (Zhao et al., 2023) puts the
-two on different CUDA streams and reports up to ~20% over a sequential reversible backward where
-kernels leave the GPU idle. The driver here runs that schedule everywhere: on CUDA phase 1 goes to
-a side stream (``wait_stream`` both ways, so each reads finished tensors); on a CPU, where ops run
-one after the other and nothing could overlap, the side-stream context is a no-op, which lets
-the CPU tests prove that the reordered schedule gives results identical to the sequential one.
-The cost is memory: ``G``'s graph of block ``i-1`` is alive during block ``i``'s ``F`` backward.
+Algorithm 1 in *phases* (:meth:`ReversibleBlock.reverse_phases`): (1) ``G`` forward and ``x2``
+rebuilt, (2) ``G``'s backward, ``F`` forward and ``x1`` rebuilt, (3) ``F``'s backward. Phase 1 of
+block ``i-1`` needs only block ``i``'s rebuilt input, so it can run while phase 3 of block ``i``
+runs (PaReprop, Zhao et al., 2023). On CUDA phase 1 goes to a side stream; on a CPU the side
+stream is a no-op, which lets CPU tests prove the reordered schedule gives identical results.
+The cost: ``G``'s graph of block ``i-1`` is alive during block ``i``'s ``F`` backward.
 """
 
 from __future__ import annotations
@@ -48,7 +39,7 @@ def supports_phases(layers: Sequence[Any]) -> bool:
 
 
 class SideStream:
-    """A second CUDA stream for the rebuild phase; a no-op on other devices."""
+    """A second CUDA stream for the rebuild phase; a no-op elsewhere."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -85,17 +76,9 @@ def reverse_overlapped(
 ) -> StepResult:
     """Reverse layers ``n-1 … 0`` with phase 1 of layer ``i-1`` overlapping phase 3 of layer ``i``.
 
-    Args:
-        n: Number of layers.
-        start: ``start(i, ys)`` returns layer ``i``'s phase generator for output state ``ys``.
-        as_in_forward: ``as_in_forward(i)`` is a context manager under which a phase of layer
-            ``i`` runs (its modules' tensors and statistics as in the forward).
-        state: The run's output state (a list the first phase may empty).
-        grad_state: Its gradient (likewise).
-        on_result: Called with each layer's result, from the top layer down.
-
-    Returns:
-        The bottom layer's result.
+    ``start(i, ys)`` gives layer ``i``'s phases for output state ``ys``; each phase runs under
+    ``as_in_forward(i)``; ``on_result`` gets each layer's result, top down. Returns the bottom
+    layer's result.
     """
     side = SideStream(state[0].device)
     i = n - 1

@@ -10,57 +10,25 @@ from torch import Tensor, nn
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.block import ReversibleBlock
-from revtrain.core.coupling import Coupling
 from revtrain.core.function import check_state, run_reversible
 from revtrain.core.step import Grads, State, StepResult
 
 __all__ = ["ReversibleSequence"]
 
 
-def _callable_directly(block: ReversibleBlock) -> bool:
-    """Whether calling ``block.forward_pair`` is exactly what calling the block would do: no
-    hooks on the block, the plain block call and a coupling whose input and output hooks do
-    nothing (global hooks and tracing are the caller's to rule out)."""
-    coupling = type(block.coupling)
-    return (
-        type(block).forward is ReversibleBlock.forward
-        and type(block)._run is ReversibleBlock._run
-        and coupling.prepare_input is Coupling.prepare_input
-        and coupling.mark_output is Coupling.mark_output
-        and not (block._forward_hooks or block._forward_pre_hooks or block._backward_hooks
-                 or block._backward_pre_hooks)
-    )
-
-
-def _global_hooks() -> bool:
-    """Whether any global module hook is registered (``nn.modules.module.register_module_*``)."""
-    module = nn.modules.module
-    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-             "_global_backward_pre_hooks", "_global_forward_hooks_always_called")
-    return any(getattr(module, name, None) for name in names) or not all(hasattr(module, n) for n in names[:4])
-
-
 class ReversibleSequence(nn.Module):
     """Reversible blocks applied in order, with each block's mode respected.
 
-    Consecutive M-mode blocks run as one autograd function that keeps only the output of the
-    last of them, so the activation memory of an all-M stack does not grow with depth.
-    C-mode blocks between them run as ordinary layers. The sequence itself is reversible and
-    mixes with ordinary layers in ``nn.Sequential``. Call it like a block: on one tensor or a
-    pair ``(x1, x2)``, with further arguments passed to every ``F`` and ``G``.
-
-    A sequence is itself a reversible step (:class:`~revtrain.core.step.ReversibleStep`), so
-    :func:`~revtrain.core.reverse_step` can rebuild and backpropagate through all its blocks at
-    once (what a PETRA stage does).
+    Consecutive M-mode blocks run as one autograd function that keeps only the last output, so
+    an all-M stack's activation memory does not grow with depth; C-mode blocks run as ordinary
+    layers. Call it like a block (one tensor or a pair, further arguments to every ``F`` and
+    ``G``). It is a reversible step itself, so :func:`~revtrain.core.reverse_step` can run all
+    its blocks at once (PETRA).
 
     Args:
-        *blocks: ``ReversibleBlock`` instances, or a single iterable of them. All must share
-            ``split_dim`` (the sequence splits and concatenates along it).
-        overlap_rebuild: In M-mode backward, rebuild block ``i-1`` while block ``i`` computes
-            its gradients (PaReprop; ``core/overlap.py``): on CUDA the rebuild runs on a second
-            stream, which pays where kernels leave the GPU idle, for one more ``G`` graph of
-            memory; elsewhere the same schedule runs on one stream (no gain: leave it off on a
-            CPU). Gradients are identical either way.
+        *blocks: ``ReversibleBlock`` instances, or one iterable of them, sharing ``split_dim``.
+        overlap_rebuild: Rebuild block ``i-1`` while block ``i`` computes its gradients, on a
+            second CUDA stream (``core/overlap.py``; no gain on a CPU). Same gradients.
     """
 
     check_reconstruction = False  # each block checks its own rebuild
@@ -115,22 +83,12 @@ class ReversibleSequence(nn.Module):
         if inverse:
             blocks.reverse()
         grad = torch.is_grad_enabled()
-        # Hook-free C-mode blocks are called directly (see _callable_directly); global hooks and
-        # tracing hold for the whole call, so they are looked at once here.
-        direct = not inverse and not _global_hooks() and not torch._C._get_tracing_state()
         source: Any = value
         i, n = 0, len(blocks)
         while i < n:
             if not (grad and blocks[i].mode == "M"):
-                if direct and _callable_directly(blocks[i]):
-                    # What the block's call would do, without the per-call layers (module call,
-                    # state checks of a state this sequence made, no-op coupling hooks): they
-                    # were 3-4% of a small C-mode step.
-                    source = blocks[i].forward_pair(*xs, extra=extra)
-                else:
-                    step = blocks[i].inverse if inverse else blocks[i]
-                    source = step(tuple(xs), *args, **kwargs)
-                xs = source
+                step = blocks[i].inverse if inverse else blocks[i]
+                source = xs = step(tuple(xs), *args, **kwargs)
                 i += 1
                 continue
             j = i

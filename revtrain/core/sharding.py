@@ -1,21 +1,11 @@
 """FSDP2 and M-mode: make the parameters of ``fully_shard``-ed layers whole while M-mode runs them.
 
-FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps a module's parameters sharded (DTensors)
-and makes them whole around the module's calls: a forward pre-hook unshards, a post-hook
-reshards, and a hook on the outputs unshards again when backward reaches them. An M-mode run
-of a :class:`~revtrain.core.ReversibleSequence` calls each layer's ``step_forward`` directly,
-not the layer's ``__call__``, and M-mode backward rebuilds layers inside the run's autograd
-function, so for the layers of a run none of those hooks fire: ``F`` and ``G`` would meet
-sharded parameters ("got mixed torch.Tensor and DTensor").
-
+FSDP2 makes a module's parameters whole around its ``__call__`` (hooks); an M-mode run calls its
+layers' steps directly and rebuilds them inside its autograd function, where no hook fires.
 :func:`unsharded` does what the hooks would: ``unshard()`` before and ``reshard()`` after, for
-each layer that FSDP manages and whose parameters are not already whole. The rebuild's
-gradients land on the unsharded parameters; FSDP's end-of-backward callback, queued by the
-root module's hook (FSDP2 needs the root ``fully_shard``-ed too), reduce-scatters them into the
-sharded gradients.
-
-Nothing here imports FSDP: a layer can only be an FSDP module if ``torch.distributed.fsdp``
-was imported already.
+each FSDP-managed layer not already whole. The gradients land on the unsharded parameters and
+FSDP's end-of-backward callback (root ``fully_shard``-ed too) reduce-scatters them. Nothing here
+imports FSDP.
 """
 
 from __future__ import annotations

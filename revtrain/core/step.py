@@ -1,20 +1,14 @@
 """The reversible step: what the M-mode machinery knows of a layer, and the public rebuild step.
 
-Every layer that can drop its input and rebuild it in backward — a two-branch coupling block,
-an invertible layer such as In-place ABN, a whole sequence of them — implements the small
-:class:`ReversibleStep` protocol. The autograd function of M-mode (``core/function.py``) knows
-layers only through it, and so does :func:`reverse_step`, the documented public step
-"rebuild this layer's input from its output and backpropagate through it", which
-stage-parallel training (PETRA) calls outside any autograd graph.
+Every layer that can drop its input and rebuild it in backward (a coupling block, an invertible
+layer, a sequence of them) implements :class:`ReversibleStep`. M-mode's autograd function
+(``core/function.py``) knows layers only through it, and so does :func:`reverse_step`, the public
+"rebuild this layer's input and backpropagate" that PETRA calls outside any autograd graph.
 
-A layer's *state* is a tuple of tensors: ``(x1, x2)`` for a coupling block, ``(x,)`` for a
-single-tensor invertible layer. ``step_forward`` maps input state to output state without
-building a graph and returns a *record*: whatever the layer's rebuild needs from the forward
-(random generator states for dropout replay). ``step_reverse`` takes the output state, its
-gradient and the record, rebuilds the input state while building the graph it needs once, and
-returns the input state, its gradient and the parameter gradients. Both take the layer's
-:class:`~revtrain.core.arguments.ExtraArgs` (what the caller passed besides the state, handed on
-to ``F`` and ``G``); ``step_reverse`` also returns the gradients of the tensors among them.
+A *state* is a tuple of tensors: ``(x1, x2)`` for a coupling block, ``(x,)`` otherwise.
+``step_forward`` maps input to output state without a graph and returns a *record* (what the
+rebuild needs: generator states); ``step_reverse`` rebuilds the input state from the output
+state and backpropagates its gradient.
 """
 
 from __future__ import annotations
@@ -26,12 +20,11 @@ from typing import Any, Literal, Protocol, Union
 
 import torch
 from torch import Tensor, nn
-from torch.overrides import has_torch_function
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.replay import AutocastState, no_running_stat_updates
 
-__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module", "walk_gives_params", "gives_owner_params"]
+__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module"]
 
 State = tuple[Tensor, ...]
 """The tensors a reversible layer maps: ``(x1, x2)`` for coupling blocks, ``(x,)`` otherwise."""
@@ -44,32 +37,19 @@ Grads = tuple[Union[Tensor, None], ...]
 class StepResult:
     """What one reverse step returns."""
 
-    inputs: State
-    """The rebuilt input state, detached from any graph."""
-    grad_inputs: Grads
-    """The gradient of the loss with respect to each input tensor (None where not needed)."""
-    param_grads: list[Tensor | None]
-    """Gradients of the layer's :meth:`ReversibleStep.step_params`, in the same order."""
-    extra_grads: list[Tensor | None] = field(default_factory=list)
-    """Gradients of the tensors of the extra arguments (``ExtraArgs.tensors`` order); empty
-    when the layer got none."""
+    inputs: State  # the rebuilt input state, detached
+    grad_inputs: Grads  # dL/d input tensor (None where not needed)
+    param_grads: list[Tensor | None]  # in step_params order
+    extra_grads: list[Tensor | None] = field(default_factory=list)  # ExtraArgs.tensors order
 
 
 class ReversibleStep(Protocol):
-    """What a layer provides to take part in M-mode (memory-centric) execution.
+    """What a layer provides to take part in M-mode execution (a new invertible layer subclasses
+    ``Invertible``, which supplies it)."""
 
-    ``revtrain.core.ReversibleBlock``, ``ReversibleSequence`` and every
-    ``revtrain.core.Invertible`` implement it; a new kind of invertible layer subclasses
-    ``Invertible`` (which supplies a generic :meth:`step_reverse`) rather than implementing
-    this protocol from scratch.
-    """
-
-    check_reconstruction: bool
-    """Compare a fingerprint of the input taken in the forward with the rebuilt input."""
-    drift_tolerance: float
-    """Relative rebuild error allowed by that check."""
+    check_reconstruction: bool  # the rebuild check (core/checks.py) and its settings
+    drift_tolerance: float | None
     drift_action: Literal["warn", "raise"]
-    """What a larger error does."""
 
     def step_params(self) -> list[Tensor]:
         """The trainable tensors this layer's output depends on, in a fixed order."""
@@ -88,15 +68,11 @@ class ReversibleStep(Protocol):
         need_input_grad: bool,
         extra: ExtraArgs = NO_ARGS,
     ) -> StepResult:
-        """Rebuild the input state from ``ys`` and backpropagate ``dys`` through the layer.
+        """Rebuild the input state from ``ys`` and backpropagate ``dys`` (grad mode on).
 
-        Runs with grad mode enabled by the caller. ``record`` is what :meth:`step_forward`
-        returned, or ``None`` (no replay of random generators: e.g. PETRA, whose backward runs
-        with parameters that changed since the forward). ``params`` are the tensors to
-        differentiate with respect to (what :meth:`step_params` returned at forward time).
-        ``need_input_grad=False`` lets a layer skip the gradient of its input. ``extra`` holds
-        the forward's extra arguments; the gradients of its tensors that require grad go to
-        :attr:`StepResult.extra_grads`.
+        ``record``: what :meth:`step_forward` returned, or None (no replay: PETRA). ``params``:
+        what to differentiate (:meth:`step_params` at forward time); ``need_input_grad=False``
+        skips the input's gradient; gradients of ``extra``'s tensors go to ``extra_grads``.
         """
         ...
 
@@ -122,39 +98,6 @@ def owner_module(layer: object) -> nn.Module | None:
     return module if isinstance(module, nn.Module) else None
 
 
-_OWNER_PARAMS: set[Any] = set()
-"""``step_params`` functions that return their module's trainable parameters in module order."""
-_MODULE_OWNER_PARAMS: set[Any] = set()
-"""``step_params`` functions that return ``self.module.step_params()``."""
-
-
-def gives_owner_params(function: Any, *, of_module: bool = False) -> Any:
-    """Register a ``step_params`` function as returning exactly ``trainable_params`` of the
-    layer's owner module (``of_module``: the ``step_params`` of the module it works for) — see
-    :func:`walk_gives_params`. Returns the function (a decorator). Registered by identity, so a
-    wrapper around a registered function is not registered."""
-    (_MODULE_OWNER_PARAMS if of_module else _OWNER_PARAMS).add(function)
-    return function
-
-
-def walk_gives_params(layer: object) -> bool:
-    """Whether ``layer.step_params()`` is exactly the trainable parameters of its owner module
-    (:func:`owner_module`) in module order, as :class:`~revtrain.core.replay.ModuleTensors`
-    collects them in its walk: the M-mode run then takes them from there instead of walking the
-    modules a second time (one walk less per layer in every forward). True only for the
-    registered functions (:func:`gives_owner_params`), so a subclass or an instance that
-    overrides ``step_params`` is asked instead."""
-    if "step_params" in getattr(layer, "__dict__", {}):
-        return False
-    function = type(layer).step_params
-    if function in _MODULE_OWNER_PARAMS:
-        layer = owner_module(layer)
-        if layer is None or "step_params" in layer.__dict__:
-            return False
-        function = type(layer).step_params
-    return function in _OWNER_PARAMS
-
-
 def autograd_grads(
     outputs: Sequence[Tensor | tuple[Tensor, ...]],
     inputs: Sequence[Tensor],
@@ -178,18 +121,7 @@ def autograd_grads(
                 douts.append(d if d.dtype == o.dtype else d.to(o.dtype))
     if not outs or not inputs:
         return [None] * len(inputs)
-    inputs = tuple(inputs)
-    if _ENGINE is None or has_torch_function(inputs) or has_torch_function(tuple(outs)):
-        return list(torch.autograd.grad(outs, inputs, douts, allow_unused=True))
-    # What torch.autograd.grad(outs, inputs, douts, allow_unused=True) runs, without its
-    # argument handling (~15 µs a call, two calls per block in every M-mode backward): the
-    # gradients are already tensors of the outputs' shapes and dtypes, and the engine
-    # validates them again.
-    return list(_ENGINE.run_backward(tuple(outs), tuple(douts), False, False, inputs, True, False))
-
-
-# The engine torch.autograd.grad calls (private; where a torch lacks it, the public call runs).
-_ENGINE = getattr(torch.autograd.Variable, "_execution_engine", None)
+    return list(torch.autograd.grad(outs, tuple(inputs), douts, allow_unused=True))
 
 
 def reverse_step(
@@ -204,32 +136,22 @@ def reverse_step(
     update_running_stats: bool = False,
     autocast: AutocastState | None = None,
 ) -> tuple[Any, Any]:
-    """Rebuild ``layer``'s input from its output and backpropagate through it, outside autograd.
-
-    This is the step M-mode backward runs for every layer, offered on its own for code that
-    drives backward itself: a PETRA stage receives ``(y, dL/dy)`` from the stage above, calls
-    this with its *current* parameters, and sends the returned ``(x, dL/dx)`` down.
+    """Rebuild ``layer``'s input from its output and backpropagate through it, outside autograd:
+    the step M-mode backward runs per layer, for code that drives backward itself (a PETRA
+    stage, with its *current* parameters).
 
     Args:
         layer: A ``ReversibleBlock``, ``ReversibleSequence`` or ``Invertible`` layer.
-        outputs: The layer's output as the layer returns it (one tensor, or a pair for blocks
-            called on pairs); used detached.
-        grad_outputs: ``dL/d outputs``, the same structure (None entries mean "unused").
-        args: Extra positional arguments the forward passed on to ``F`` and ``G`` (masks,
-            positions); tensors among them are treated as constants here (no gradient).
-        kwargs: Extra keyword arguments, likewise.
-        record: The record of the forward that produced ``outputs`` (replays its random
-            numbers); None to run the rebuild with the generators as they are.
-        accumulate: Add the parameter gradients into ``p.grad`` (like ``backward()``);
-            with False they are only returned.
-        update_running_stats: Let batch-norm layers in training mode update their running
-            statistics during the rebuild (PETRA updates them in its backward recompute);
-            by default the rebuild leaves them alone, as M-mode backward does.
-        autocast: Autocast settings to run the rebuild under (default: none).
+        outputs: The layer's output as it returns it (a tensor, or a pair); used detached.
+        grad_outputs: ``dL/d outputs``, the same structure (None: unused).
+        args, kwargs: The extra arguments the forward passed to ``F`` and ``G`` (constants here).
+        record: The forward's record (replays its random numbers); None: generators as they are.
+        accumulate: Add the parameter gradients into ``p.grad``; False: only return them.
+        update_running_stats: Let batch norm update its statistics in the rebuild (PETRA does).
+        autocast: Autocast settings for the rebuild (default: none).
 
     Returns:
-        ``(inputs, grad_inputs)`` in the layer's user-facing structure: the rebuilt input
-        (detached) and ``dL/d inputs``.
+        ``(inputs, grad_inputs)`` in the layer's user-facing structure.
     """
     ys = tuple(t.detach() for t in layer.to_state(outputs))
     if isinstance(grad_outputs, (tuple, list)):

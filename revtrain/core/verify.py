@@ -69,10 +69,8 @@ def verify_invertible(
 ) -> VerificationReport:
     """Run ``module(example_input)`` once and check that each reversible block rebuilds its input.
 
-    Each block's input is rebuilt from its output with the block's inverse, replaying the
-    random generators the forward used and in the same train/eval mode, and compared with the
-    real input. The model's buffers (batch-norm statistics) and the global random generators
-    are left as they were.
+    Each block's input is rebuilt from its output as backward would (same generators, same
+    mode) and compared with the real input; buffers and generators are left as they were.
 
     Args:
         module: Any model containing ``ReversibleBlock`` modules.

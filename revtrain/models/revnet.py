@@ -129,7 +129,9 @@ class RevNet(nn.Module):
                     layers["transition"] = RevTransition(cin, cout, stride, bottleneck, preact)
                     continue
                 half = cout // 2
-                blocks.append(ReversibleBlock(residual(half, half, 1, preact), residual(half, half)))
+                # No dropout in F or G: nothing to capture for the rebuild.
+                blocks.append(ReversibleBlock(residual(half, half, 1, preact), residual(half, half),
+                                              preserve_rng_state=False))
             if blocks:
                 layers["reversible"] = ReversibleSequence(*blocks)
             stages.append(nn.Sequential(layers))

@@ -171,9 +171,9 @@ class PetraRevNet(nn.Module):
                     else PostActBasic(cout, cout, final_relu=True)
                 )
                 if x_half == 0:  # x is the first half: y2 = x2 + F~(x1)
-                    blocks.append(ReversibleBlock(NoUpdate(), fn))
+                    blocks.append(ReversibleBlock(NoUpdate(), fn, preserve_rng_state=False))  # no dropout
                 else:  # x is the second half: y1 = x1 + F~(x2)
-                    blocks.append(ReversibleBlock(fn, NoUpdate()))
+                    blocks.append(ReversibleBlock(fn, NoUpdate(), preserve_rng_state=False))
                 x_half = 1 - x_half
             if blocks:
                 layers["reversible"] = ReversibleSequence(*blocks)

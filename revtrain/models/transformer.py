@@ -182,7 +182,8 @@ class RevTransformerLM(_LanguageModel):
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__(config)
         self.layers = ReversibleSequence(
-            [ReversibleBlock(*config.layer(), split_dim=-1) for _ in range(config.depth)]
+            [ReversibleBlock(*config.layer(), split_dim=-1, preserve_rng_state=config.dropout > 0)  # replay dropout
+             for _ in range(config.depth)]
         )
         self._finish()
 

@@ -138,7 +138,8 @@ class RevViT(_Encoder):
 
     def __init__(self, config: ViTConfig) -> None:
         super().__init__(config)
-        self.layers = ReversibleSequence([ReversibleBlock(*config.layer(), split_dim=-1) for _ in range(config.depth)])
+        self.layers = ReversibleSequence([ReversibleBlock(*config.layer(), split_dim=-1, preserve_rng_state=config.dropout > 0)
+                                          for _ in range(config.depth)])  # replay dropout where there is some
         self._finish()
 
 

@@ -164,20 +164,3 @@ def test_hooks_on_c_mode_blocks_in_a_sequence_fire(where):
     assert blocks_seen == ([model[1]] if where == "block" else list(model))
     twin = plain_twin(model)
     torch.testing.assert_close(out, twin(_x()), rtol=0, atol=0)
-
-
-def test_gradients_through_the_engine_equal_those_of_torch_autograd_grad(monkeypatch):
-    """M-mode backward calls the autograd engine directly (torch.autograd.grad's argument
-    handling was ~5% of a small step); the public call, its fallback, gives the same bits."""
-    from revtrain.core import step
-
-    results = []
-    for engine in (step._ENGINE, None):
-        monkeypatch.setattr(step, "_ENGINE", engine)
-        model = _model()
-        x = _x(requires_grad=True)
-        model(x).square().sum().backward()
-        results.append([x.grad, *grads(model).values()])
-    assert len(results[0]) == len(results[1]) > 1
-    for a, b in zip(*results):
-        assert torch.equal(a, b)

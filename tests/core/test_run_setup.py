@@ -1,6 +1,6 @@
-"""What an M-mode run sets up per layer in every forward: the random generators are captured only
-where something below a block may draw random numbers (core/randomness.py), counted, with exact
-replay wherever one may; the parameters come from the walk that finds the tensors."""
+"""What an M-mode run sets up per layer in every forward: the random generators are captured by
+the author's flag (``preserve_rng_state``), counted, and replayed only where ``F`` or ``G`` moved
+them, exactly; the parameters come from the walk that finds the tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from torch import nn
 
 import revtrain.core.block as block_module
 from revtrain.core import AdditiveCoupling, ReversibleBlock, ReversibleSequence, set_modes
-from revtrain.core.randomness import draws_no_random_numbers, known_random_free, no_module_draws_random_numbers
 from revtrain.models import create_model
 
 from .helpers import assert_grads_close, grads, plain_twin
@@ -23,37 +22,15 @@ class Noise(nn.Module):
         return x + 0.1 * torch.randn_like(x)
 
 
-class SaysNoRandomness(nn.Module):
-    draws_random_numbers = False
-
-    def forward(self, x):
-        return torch.tanh(x)
-
-
-class InheritsTheWord(SaysNoRandomness):
-    """A subclass may add randomness: the parent's word does not count for it."""
-
-    def forward(self, x):
-        return torch.tanh(x) + 0.1 * torch.randn_like(x)
-
-
-class OwnForwardSequential(nn.Sequential):
-    def forward(self, x):
-        return super().forward(x) + 0.1 * torch.randn_like(x)
-
-
-class PlainCoupling(AdditiveCoupling):
-    """Not a built-in type: the block keeps capturing whatever F and G are."""
-
-
 def _fn(*extra: nn.Module) -> nn.Module:
     return nn.Sequential(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(), *extra)
 
 
-def _stack(f_extra=(), g_extra=(), coupling="additive", depth=3) -> ReversibleSequence:
+def _stack(f_extra=(), g_extra=(), coupling="additive", depth=3, **kwargs) -> ReversibleSequence:
     torch.manual_seed(0)
     return ReversibleSequence([
-        ReversibleBlock(_fn(*[type(m)() for m in f_extra]), _fn(*[type(m)() for m in g_extra]), coupling=coupling)
+        ReversibleBlock(_fn(*[type(m)() for m in f_extra]), _fn(*[type(m)() for m in g_extra]), coupling=coupling,
+                        **kwargs)
         for _ in range(depth)
     ])
 
@@ -73,6 +50,21 @@ def _captures(model: nn.Module, x: torch.Tensor, monkeypatch) -> int:
     return count[0]
 
 
+def _replays(model: nn.Module, x: torch.Tensor, monkeypatch) -> int:
+    """Generator replays in one M-mode backward."""
+    count = [0]
+    real = block_module.RngState.replay
+
+    def counted(self):
+        count[0] += 1
+        return real(self)
+
+    monkeypatch.setattr(block_module.RngState, "replay", counted)
+    model(x.clone().requires_grad_(True)).square().sum().backward()
+    monkeypatch.setattr(block_module.RngState, "replay", real)
+    return count[0]
+
+
 X = torch.randn(2, 8, 5, 5)
 
 
@@ -89,43 +81,19 @@ def _assert_same_as_plain(model: nn.Module, twin: nn.Module, x: torch.Tensor, se
     assert_grads_close(grads(model), grads(twin), 1e-10)
 
 
-def test_blocks_of_torch_layers_capture_nothing(monkeypatch):
-    assert _captures(_stack(), X, monkeypatch) == 0
+@pytest.mark.parametrize("preserve", [True, False])
+def test_a_block_captures_by_its_flag(monkeypatch, preserve):
+    """Three captures per block (before F, before G, after G) where the author leaves
+    ``preserve_rng_state`` on, whatever F and G are; none where it is off."""
+    assert _captures(_stack(preserve_rng_state=preserve), X, monkeypatch) == (9 if preserve else 0)
 
 
-@pytest.mark.parametrize("extra, random", [
-    ((nn.Dropout(),), True),
-    ((Noise(),), True),
-    ((SaysNoRandomness(),), False),
-    ((InheritsTheWord(),), True),
-])
-def test_a_block_captures_where_a_module_may_draw(monkeypatch, extra, random):
-    """Three captures per block (before F, before G, after G) wherever one module below it may
-    draw; none where every module is known not to."""
-    model = _stack(f_extra=extra)
-    assert _captures(model, X, monkeypatch) == (9 if random else 0)
-
-
-def test_a_sequential_with_its_own_forward_is_not_trusted(monkeypatch):
-    torch.manual_seed(0)
-    fn = OwnForwardSequential(nn.Conv2d(4, 4, 3, padding=1, bias=False))
-    model = ReversibleSequence([ReversibleBlock(fn, _fn())])
-    assert not draws_no_random_numbers(fn)
-    assert _captures(model, X, monkeypatch) == 3
-
-
-def test_hooks_and_custom_couplings_keep_the_capture(monkeypatch):
-    model = _stack()
-    handle = model[1].f[0].register_forward_hook(lambda m, i, o: o + 0.0 * torch.rand(()))
-    assert _captures(model, X, monkeypatch) == 3  # the hooked block only
-    handle.remove()
-    handle = nn.modules.module.register_module_forward_pre_hook(lambda m, i: None)
-    try:
-        assert _captures(model, X, monkeypatch) == 9
-    finally:
-        handle.remove()
-    assert _captures(_stack(coupling=PlainCoupling()), X, monkeypatch) == 9
-    assert _captures(model, X, monkeypatch) == 0
+@pytest.mark.parametrize("f_extra, g_extra, replays", [((), (), 0), ((nn.Dropout(),), (), 3),
+                                                       ((Noise(),), (Noise(),), 6)])
+def test_only_what_moved_the_generators_is_replayed(monkeypatch, f_extra, g_extra, replays):
+    """The dynamic skip: where F or G drew no random numbers in the forward, the rebuild
+    replays nothing for it."""
+    assert _replays(_stack(f_extra, g_extra), X, monkeypatch) == replays
 
 
 def test_the_zoo_revnet_captures_nothing(monkeypatch):
@@ -134,43 +102,16 @@ def test_the_zoo_revnet_captures_nothing(monkeypatch):
     assert _captures(model, torch.randn(2, 1, 8, 8), monkeypatch) == 0
 
 
-@pytest.mark.parametrize("extra", [(Noise(),), (InheritsTheWord(),), (nn.Dropout(0.5),)])
+@pytest.mark.parametrize("extra", [(Noise(),), (nn.Dropout(0.5),)])
 def test_modules_that_draw_are_replayed_exactly(extra):
     """Where a module below may draw, the rebuild replays it: M-mode gradients equal plain
     autograd's from the same seed, in float64."""
     model = _stack(f_extra=extra, g_extra=extra, depth=4).double()
+    assert all(block.preserve_rng_state for block in model)  # the default
     _assert_same_as_plain(model, plain_twin(model), torch.randn(2, 8, 5, 5, dtype=torch.float64), seed=11)
 
 
-def test_the_flag_is_only_set_around_a_random_free_step():
-    seen = []
-
-    class Spy(nn.Module):
-        draws_random_numbers = False
-
-        def forward(self, x):
-            seen.append(known_random_free())
-            return x * 0.5
-
-    torch.manual_seed(0)
-    model = ReversibleSequence([ReversibleBlock(Spy(), Spy()), ReversibleBlock(Spy(), Noise())])
-    model(X.clone().requires_grad_(True)).sum().backward()
-    # Forward: the first block is random-free, the second not (its G draws); the rebuild in
-    # backward never runs under the flag.
-    assert seen[:3] == [True, True, False]
-    assert not any(seen[3:]) and not known_random_free()
-
-
-def test_the_rules_for_single_modules():
-    assert draws_no_random_numbers(nn.Conv2d(1, 1, 1)) and draws_no_random_numbers(nn.Sequential())
-    assert not draws_no_random_numbers(nn.Dropout()) and not draws_no_random_numbers(nn.RReLU())
-    assert not draws_no_random_numbers(nn.MultiheadAttention(4, 1))
-    assert not draws_no_random_numbers(Noise())
-    assert no_module_draws_random_numbers([nn.Linear(2, 2), nn.GELU()])
-    assert not no_module_draws_random_numbers([nn.Linear(2, 2), nn.Dropout()])
-
-
-# -- one walk for a layer's tensors and its parameters (revtrain.core.step.walk_gives_params) --
+# -- a run differentiates with respect to each layer's step_params --
 
 
 def _tied_block() -> ReversibleBlock:
@@ -183,20 +124,17 @@ def _tied_block() -> ReversibleBlock:
 
 def test_the_runs_parameters_are_the_layers_step_params_in_order():
     from revtrain.core.function import run_spec
-    from revtrain.core.step import walk_gives_params
 
     block = _tied_block()
     layers = [block, block.inverse_step()]
     spec = run_spec(layers, 2)
     for layer, params in zip(layers, spec.param_lists):
-        assert walk_gives_params(layer)
         want = layer.step_params()
         assert len(params) == len(want) == 4 and all(a is b for a, b in zip(params, want))
 
 
 def test_a_layer_that_overrides_step_params_is_asked():
     from revtrain.core.function import run_spec
-    from revtrain.core.step import walk_gives_params
 
     class OnlyF(ReversibleBlock):
         def step_params(self):
@@ -204,7 +142,6 @@ def test_a_layer_that_overrides_step_params_is_asked():
 
     torch.manual_seed(0)
     block = OnlyF(_fn(), _fn())
-    assert not walk_gives_params(block) and not walk_gives_params(block.inverse_step())
     (params,) = run_spec([block], 2).param_lists
     assert [id(p) for p in params] == [id(p) for p in block.f.parameters()]
 
@@ -229,55 +166,16 @@ def _dropout_forward(module: nn.Module) -> nn.Module:
     return module
 
 
-def test_a_forward_set_on_the_instance_is_not_trusted_and_replays_exactly(monkeypatch):
+def test_a_forward_set_on_the_instance_replays_exactly(monkeypatch):
     model = _stack(depth=2).double()
     for block in model:
         _dropout_forward(block.f[0])
-    assert not draws_no_random_numbers(model[0].f[0])
     twin = plain_twin(model)
     for block in twin:  # deepcopy keeps the instance forward bound to the original: set again
         _dropout_forward(block.f[0])
     assert _captures(model, X.double(), monkeypatch) == 6
     model.zero_grad(set_to_none=True)
     _assert_same_as_plain(model, twin, torch.randn(2, 8, 5, 5, dtype=torch.float64), seed=3)
-
-
-def test_an_overridden_call_is_not_trusted():
-    class CalledOtherwise(nn.Sequential):
-        def __call__(self, *args):
-            return super().__call__(*args) + 0.1 * torch.randn_like(args[0])
-
-    class Plain(nn.Sequential):
-        pass
-
-    assert not draws_no_random_numbers(CalledOtherwise(nn.Identity()))
-    assert draws_no_random_numbers(Plain(nn.Identity()))
-    patched = Plain(nn.Identity())
-    patched._call_impl = lambda *a, **k: torch.rand(())
-    assert not draws_no_random_numbers(patched)
-
-
-def test_compile_models_forward_is_judged_by_its_class_and_a_later_patch_is_not():
-    from revtrain.compilation import compile_model, uncompile_model
-    from revtrain.core.replay import ModuleTensors
-
-    model = _stack(depth=1)
-    assert compile_model(model)  # sets a compiled forward on F and G (compiled on first call)
-    assert "forward" in model[0].f.__dict__ and ModuleTensors.capture(model[0]).random_free
-    _dropout_forward(model[0].f)
-    assert not ModuleTensors.capture(model[0]).random_free
-    uncompile_model(model)
-    assert ModuleTensors.capture(model[0]).random_free
-
-
-def test_no_layer_inherits_the_answer_of_an_outer_scope(monkeypatch):
-    from revtrain.core.randomness import enter_random_free, leave_random_free
-
-    token = enter_random_free(True)
-    try:
-        assert _captures(_stack(f_extra=(nn.Dropout(),)), X, monkeypatch) == 9
-    finally:
-        leave_random_free(token)
 
 
 def test_the_inverse_of_a_block_with_dropout_replays_exactly():
@@ -323,11 +221,16 @@ def test_a_parameter_of_a_block_subclass_used_by_f_gets_its_gradient():
 
 def test_an_instance_override_of_step_params_is_asked():
     from revtrain.core.function import run_spec
-    from revtrain.core.step import walk_gives_params
 
     torch.manual_seed(0)
     block = ReversibleBlock(_fn(), _fn())
     block.step_params = lambda: list(block.f.parameters())
-    assert not walk_gives_params(block) and not walk_gives_params(block.inverse_step())
     (params,) = run_spec([block], 2).param_lists
     assert [id(p) for p in params] == [id(p) for p in block.f.parameters()]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_zoo_transformer_captures_where_it_has_dropout(dropout):
+    model = create_model("revformer_tiny", dropout=dropout)
+    blocks = [m for m in model.modules() if isinstance(m, ReversibleBlock)]
+    assert blocks and all(b.preserve_rng_state == (dropout > 0) for b in blocks)
