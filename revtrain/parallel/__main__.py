@@ -23,7 +23,7 @@ from typing import Any
 from revtrain.options import add_config_options, given_options
 from revtrain.parallel.config import PetraConfig
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
-from revtrain.parallel.launch import launch, reporting_to_launcher
+from revtrain.parallel.launch import launch, run_rank
 from revtrain.parallel.options import RunOptions
 from revtrain.parallel.runner import train
 
@@ -71,10 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_worker(path: str) -> int:
     """One rank started by the local launcher: train, or write the error where the launcher reads it."""
-    with reporting_to_launcher():
+    def work() -> None:
         data = json.loads(open(path).read())
         train(RunOptions(**_tuples(RunOptions, data["options"])), PetraConfig(**data["petra"]))
-    return 0
+
+    run_rank(work)
 
 
 def _tuples(cls: type, data: dict[str, Any]) -> dict[str, Any]:

@@ -25,11 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from revtrain.parallel.config import PetraConfig
+from revtrain.train.config import TrainConfig
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
 
 __all__ = ["ParallelConfig", "run_parallel", "petra_run_options", "PETRA_UNSUPPORTED", "SHARED_WITH_TRAIN"]
 
-SHARED_WITH_TRAIN = ("lr", "momentum", "nesterov", "weight_decay")
+SHARED_WITH_TRAIN = ("lr", "momentum", "nesterov", "weight_decay", "accumulation")
 """PetraConfig fields that ``revtrain train`` already has (TrainConfig's options feed them)."""
 
 PETRA_UNSUPPORTED = {
@@ -119,8 +120,16 @@ def run_parallel(train_given: dict[str, Any], parallel_given: dict[str, Any], pe
     """
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
     if not parallel_given and not petra_given:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if torchrun and world > 1:
+            raise PipelineConfigError(
+                f"torchrun started {world} processes but no parallel option was given: each would train the "
+                f"whole run into the same folder; add --data-parallel {world} (or --stages {world} for PETRA), "
+                "or start one process"
+            )
         return None
     parallel = ParallelConfig(**parallel_given)
+    TrainConfig(**train_given)  # every engine validates the run's options as one process does
     if parallel.stages is None and petra_given:
         names = ", ".join("--" + k.replace("_", "-") for k in petra_given)
         raise PipelineConfigError(f"{names}: PETRA options; add --stages J")
@@ -172,12 +181,12 @@ def _run_petra(train_given: dict[str, Any], parallel: ParallelConfig, petra_give
                torchrun: bool) -> int:
     from dataclasses import replace
 
-    from revtrain.parallel.launch import launch
+    from revtrain.parallel.launch import launch, run_rank
     from revtrain.parallel.runner import train
 
     options, petra = petra_run_options(train_given, parallel, petra_given)
     if torchrun:  # this process is one stage
-        train(replace(options, engine="processes"), petra)
+        run_rank(lambda: train(replace(options, engine="processes"), petra))
     elif options.engine == "simulator":
         train(options, petra)
     else:
@@ -186,13 +195,13 @@ def _run_petra(train_given: dict[str, Any], parallel: ParallelConfig, petra_give
 
 
 def _run_data_parallel(train_given: dict[str, Any], parallel: ParallelConfig, torchrun: bool) -> int:
+    from revtrain.parallel.launch import run_rank
     from revtrain.parallel.replicas import launch_data_parallel, run_data_parallel_rank
 
     assert parallel.data_parallel is not None
     if torchrun:  # this process is one rank
-        run_data_parallel_rank(train_given, parallel.data_parallel, sharded=parallel.shard,
-                               backend=parallel.backend, timeout=parallel.timeout)
-        return 0
+        run_rank(lambda: run_data_parallel_rank(train_given, parallel.data_parallel, sharded=parallel.shard,
+                                                backend=parallel.backend, timeout=parallel.timeout))
     launch_data_parallel(train_given, parallel.data_parallel, sharded=parallel.shard, backend=parallel.backend,
                          port=parallel.port, timeout=parallel.timeout)
     return 0

@@ -18,7 +18,6 @@ within ``timeout`` plus a few seconds of a failure.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -27,21 +26,21 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from revtrain.parallel.config import PetraConfig
-from revtrain.parallel.distributed import check_backend
+from revtrain.parallel.distributed import check_backend, exit_rank
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
 from revtrain.parallel.options import RunOptions, parse_split
 from revtrain.parallel.partition import split_model
 from revtrain.parallel.worker import plan_segments
 
-__all__ = ["launch", "start_workers", "watch", "free_port", "check_port", "ERROR_FILE_ENV", "reporting_to_launcher"]
+__all__ = ["launch", "start_workers", "watch", "free_port", "check_port", "ERROR_FILE_ENV", "run_rank"]
 
 ERROR_FILE_ENV = "REVTRAIN_ERROR_FILE"
 """Environment variable naming the file a worker writes its error to before exiting."""
@@ -50,19 +49,28 @@ _GRACE_S = 3.0
 _POLL_S = 0.1
 
 
-@contextlib.contextmanager
-def reporting_to_launcher() -> Iterator[None]:
-    """Run a started rank's work; if it fails, write the traceback to the file the launcher reads
-    (``ERROR_FILE_ENV``) so that its message names the cause, then let the error end the rank."""
+def run_rank(work: Callable[[], object]) -> NoReturn:
+    """Run a started rank's ``work``, then end the process with :func:`~revtrain.parallel.distributed.exit_rank`.
+
+    A failure is printed and its traceback written to the file the launcher reads
+    (``ERROR_FILE_ENV``), so that its message names the cause; the exit code is 1 (128 + the
+    signal for a stop on Ctrl-C or SIGTERM).
+    """
+    code = 1
     try:
-        yield
+        work()
+        code = 0
+    except KeyboardInterrupt as stop:
+        code = 128 + int(getattr(stop, "signum", signal.SIGINT))
     except BaseException as err:  # noqa: BLE001 - report every failure to the launcher, then fail
+        traceback.print_exc()
         error_file = os.environ.get(ERROR_FILE_ENV)
-        if error_file and not isinstance(err, KeyboardInterrupt):
+        if error_file:
             with open(error_file, "w") as f:
                 f.write(traceback.format_exc())
                 f.write(f"{type(err).__name__}: {err}\n")
-        raise
+    finally:
+        exit_rank(code)
 
 
 def free_port() -> int:

@@ -6,9 +6,10 @@ Rank functions are module-level so that spawned processes can import them.
 from __future__ import annotations
 
 import copy
-import os
-import socket
+import shutil
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes
 from revtrain.models import create_model, example_batch
 from revtrain.parallel.config import PetraConfig
-from revtrain.parallel.distributed import DistributedPipeline
+from revtrain.parallel.distributed import DistributedPipeline, exit_rank
 from revtrain.parallel.partition import split_model
 from revtrain.parallel.simulator import Simulator
 from revtrain.tasks import Classification
@@ -175,34 +176,36 @@ def reference_two_stages(model: Toy, batches: list[tuple[Tensor, Tensor]], *, lr
 # -- multi-process harness -----------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float = 120.0) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined in a gloo group."""
     import torch.multiprocessing as mp
 
-    port = free_port()
-    ctx = mp.start_processes(_entry, args=(fn, world, port, args), nprocs=world, join=False, start_method="spawn")
+    store = Path(tempfile.mkdtemp(prefix="revtrain-ranks-")) / "store"  # a file rendezvous: no port to race for
+    ctx = mp.start_processes(_entry, args=(fn, world, str(store), args), nprocs=world, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{fn.__name__} did not finish within {timeout} s")
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__} did not finish within {timeout} s")
+    finally:
+        shutil.rmtree(store.parent, ignore_errors=True)
 
 
-def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _entry(rank: int, fn: Callable[..., None], world: int, store: str, args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    code = 1
     try:
         fn(rank, world, *args)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
     finally:
-        dist.destroy_process_group()
+        exit_rank(code)  # never through interpreter finalization (see exit_rank)
 
 
 def pipeline_rank(rank: int, world: int, cases: list[tuple[str, int]], out_dir: str) -> None:

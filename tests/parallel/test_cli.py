@@ -87,12 +87,11 @@ def test_data_parallel_and_sharded_runs_equal_one_process_and_resume_anywhere(tm
         (["--stages", "40"], "blocks"),
         (["--stages", "2", "--split", "1,1"], "split"),
         (["--stages", "2", "--input-buffer", "none"], "input_buffer"),
-        (["--stages", "2", "--accumulation", "0"], "accumulation (k) must be an integer >= 1"),
+        (["--stages", "2", "--accumulation", "0"], "accumulation must be an integer >= 1"),
         (["--stages", "2", "--backend", "nccl"], "nccl"),
         (["--stages", "2", "--optimizer", "adamw"], "--optimizer: PETRA uses SGD"),
         (["--stages", "2", "--check-every", "4"], "--check-every: PETRA's rebuilds use moved parameters"),
         (["--stages", "2", "--data-parallel", "2"], "not supported yet"),
-        (["--accumulation", "2"], "add --stages J"),
         (["--shard"], "add --data-parallel N"),
         (["--data-parallel", "0"], "--data-parallel must be an integer >= 1"),
         (["--data-parallel", "2", "--budget", "1MiB"], "--budget is not available with --data-parallel"),
@@ -164,3 +163,13 @@ def _children(pid: int) -> dict[int, int]:
             if item.startswith(b"RANK="):
                 found[int(item[5:])] = int(entry.name)
     return found
+
+
+def test_torchrun_without_a_parallel_option_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """N trainers in one folder would corrupt its metrics: the rank refuses before writing anything."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--epochs", "1", "--max-steps-per-epoch", "1", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "add --data-parallel 2" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -61,3 +61,10 @@ def test_data_parallel_and_sharded_gradients_equal_one_process(tmp_path: Path) -
     assert done == ["rank0.json", "rank1.json"]
     checked = json.loads((tmp_path / "rank0.json").read_text())
     assert len(checked) == 9  # 3 wrappers x 3 mode settings
+
+
+def test_accumulated_data_parallel_steps_equal_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+    """--accumulation 4 under DDP and FSDP2 on 2 gloo processes: the trainer's step equals one
+    process on the 4 micro-batches joined (float64, two steps)."""
+    run_ranks(data_parallel_cases.accumulation_rank, 2, str(tmp_path))
+    assert json.loads((tmp_path / "accumulation.json").read_text()) == ["ddp", "fsdp"]
