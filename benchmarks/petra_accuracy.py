@@ -4,7 +4,7 @@ Trains the same model on the same data with the same recipe (PETRA's: SGD with N
 0.9, learning rate 0.1 * batch * k / 256, linear warm-up then cosine, weight decay 5e-4 on weights
 only) and the same number of epochs:
 
-- backprop: ``python -m revtrain.parallel --stages 1 --engine simulator`` (one stage is ordinary
+- backprop: ``revtrain train --stages 1 --engine simulator`` (one stage is ordinary
   backprop: tests/parallel/test_arithmetic.py proves it equal to a plain training loop);
 - PETRA: ``--stages 2`` and ``--stages 4`` with one process per stage (``--engine processes``).
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from revtrain.bench import machine_info
-from revtrain.parallel import PetraConfig, RunOptions, launch, train
+from revtrain.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,16 +59,21 @@ def main(argv: list[str] | None = None) -> int:
     for j in args.stages:
         run_dir = work / f"J{j}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        options = RunOptions(model=args.model, dataset=args.dataset, image_size=args.image_size, stages=j,
-                             engine="simulator" if j == 1 else args.engine, epochs=args.epochs,
-                             batch_size=args.batch_size, warmup_epochs=args.warmup_epochs, threads=args.threads,
-                             seed=args.seed, run_dir=str(run_dir), quiet=True)
-        petra = PetraConfig(accumulation=args.accumulation, track_reconstruction=True)
+        engine = "simulator" if j == 1 else args.engine
+        argv = ["train", "--model", args.model, "--dataset", args.dataset, "--stages", str(j), "--engine", engine,
+                "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
+                "--accumulation", str(args.accumulation), "--warmup-epochs", str(args.warmup_epochs),
+                "--threads", str(args.threads), "--seed", str(args.seed), "--track-reconstruction",
+                "--run-dir", str(run_dir), "--quiet"]
+        if args.image_size is not None:
+            argv += ["--image-size", str(args.image_size)]
         start = time.perf_counter()
-        summary = (train if options.engine == "simulator" else launch)(options, petra)  # type: ignore[operator]
+        if cli_main(argv) != 0:
+            raise SystemExit(f"revtrain {' '.join(argv)} failed")
+        summary = json.loads((run_dir / "summary.json").read_text())
         seconds = time.perf_counter() - start
         metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        runs[f"J={j}"] = {"stages": j, "engine": options.engine, "seconds": seconds, "metrics": metrics,
+        runs[f"J={j}"] = {"stages": j, "engine": engine, "seconds": seconds, "metrics": metrics,
                           "memory": summary.get("memory")}
         print(f"J={j}: test accuracy {metrics[-1]['test_acc']:.2%} ({seconds:.0f} s)", flush=True)
     command = "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])])

@@ -35,7 +35,9 @@ _BENCH_DEFAULTS = {"batch": 16, "channels": 32, "size": 16, "depths": (4, 8, 16)
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``revtrain`` command line; returns the exit status."""
     parser = _build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # what the ranks of a multi-process run are started with
     if not hasattr(args, "run"):
         parser.print_help()
         return EXIT_USAGE
@@ -106,7 +108,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from revtrain.train import TrainConfig, Trainer, TrainingInterrupted, resolve_run
 
     petra = {k: v for k, v in _given(args, PetraConfig).items() if k not in SHARED_WITH_TRAIN}
-    status = run_parallel(_given(args, TrainConfig), _given(args, ParallelConfig), petra)
+    status = run_parallel(args.argv, _given(args, TrainConfig), _given(args, ParallelConfig), petra)
     if status is not None:
         return status
     trainer = Trainer(resolve_run(_given(args, TrainConfig)))

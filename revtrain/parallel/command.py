@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from revtrain.parallel.config import PetraConfig
@@ -106,18 +107,22 @@ class ParallelConfig:
             raise PipelineConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
 
 
-def run_parallel(train_given: dict[str, Any], parallel_given: dict[str, Any], petra_given: dict[str, Any]) -> int | None:
+def run_parallel(argv: Sequence[str], train_given: dict[str, Any], parallel_given: dict[str, Any],
+                 petra_given: dict[str, Any]) -> int | None:
     """Run ``revtrain train`` on several processes if its options ask for it; None otherwise.
 
     Args:
+        argv: The command line (``train ...``): what every local rank runs.
         train_given: The :class:`~revtrain.train.TrainConfig` options given.
         parallel_given: The :class:`ParallelConfig` options given.
         petra_given: The :class:`PetraConfig` options given (none of :data:`SHARED_WITH_TRAIN`).
 
     Returns:
-        The exit status (1: a process failed, the message is printed), or None when no option
-        asked for several processes.
+        The exit status (1: a process failed, the message is printed; 128 + a signal that
+        stopped the run), or None when no option asked for several processes.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
     if not parallel_given and not petra_given:
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -135,11 +140,15 @@ def run_parallel(train_given: dict[str, Any], parallel_given: dict[str, Any], pe
         raise PipelineConfigError(f"{names}: PETRA options; add --stages J")
     try:
         if parallel.stages is not None:
-            return _run_petra(train_given, parallel, petra_given, torchrun)
-        return _run_data_parallel(train_given, parallel, torchrun)
+            return _run_petra(list(argv), train_given, parallel, petra_given, torchrun)
+        return _run_data_parallel(list(argv), train_given, parallel, torchrun)
     except StageFailedError as err:
         print(f"revtrain train: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
+    except SignalException as stop:  # every rank got the signal too and saved its checkpoint
+        print(f"revtrain train: stopped by {stop.sigval.name}; every rank was asked to save a checkpoint",
+              file=sys.stderr)
+        return 128 + int(stop.sigval)
 
 
 def petra_run_options(train_given: dict[str, Any], parallel: ParallelConfig, petra_given: dict[str, Any]) -> tuple[Any, PetraConfig]:
@@ -177,31 +186,36 @@ def petra_run_options(train_given: dict[str, Any], parallel: ParallelConfig, pet
     return options, petra
 
 
-def _run_petra(train_given: dict[str, Any], parallel: ParallelConfig, petra_given: dict[str, Any],
-               torchrun: bool) -> int:
+def _run_petra(argv: list[str], train_given: dict[str, Any], parallel: ParallelConfig,
+               petra_given: dict[str, Any], torchrun: bool) -> int:
     from dataclasses import replace
 
-    from revtrain.parallel.launch import launch, run_rank
-    from revtrain.parallel.runner import train
+    from revtrain.parallel.launch import launch_ranks, run_rank
+    from revtrain.parallel.runner import checked_split, default_run_dir, train
 
     options, petra = petra_run_options(train_given, parallel, petra_given)
     if torchrun:  # this process is one stage
         run_rank(lambda: train(replace(options, engine="processes"), petra))
-    elif options.engine == "simulator":
+    if options.engine == "simulator":
         train(options, petra)
-    else:
-        launch(options, petra)
+        return 0
+    split = checked_split(options, petra)  # a clear error before any process starts; measured once
+    run_dir = options.run_dir or str(default_run_dir(options))
+    extra = ["--run-dir", run_dir] + (["--split", ",".join(map(str, split))] if split else [])
+    launch_ranks([*argv, *extra], options.stages, role=lambda r: f"stage {r}", run="PETRA run", port=options.port)
     return 0
 
 
-def _run_data_parallel(train_given: dict[str, Any], parallel: ParallelConfig, torchrun: bool) -> int:
-    from revtrain.parallel.launch import run_rank
-    from revtrain.parallel.replicas import launch_data_parallel, run_data_parallel_rank
+def _run_data_parallel(argv: list[str], train_given: dict[str, Any], parallel: ParallelConfig, torchrun: bool) -> int:
+    from revtrain.parallel.launch import launch_ranks, run_rank
+    from revtrain.parallel.replicas import prepare_data_parallel, run_data_parallel_rank
 
-    assert parallel.data_parallel is not None
+    world = parallel.data_parallel
+    assert world is not None
     if torchrun:  # this process is one rank
-        run_rank(lambda: run_data_parallel_rank(train_given, parallel.data_parallel, sharded=parallel.shard,
+        run_rank(lambda: run_data_parallel_rank(train_given, world, sharded=parallel.shard,
                                                 backend=parallel.backend, timeout=parallel.timeout))
-    launch_data_parallel(train_given, parallel.data_parallel, sharded=parallel.shard, backend=parallel.backend,
-                         port=parallel.port, timeout=parallel.timeout)
+    extra = prepare_data_parallel(train_given, world, backend=parallel.backend)
+    launch_ranks([*argv, *extra], world, role=lambda r: f"replica {r} of {world}", run="data-parallel run",
+                 port=parallel.port)
     return 0

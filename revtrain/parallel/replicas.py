@@ -29,14 +29,9 @@ parameters, gradients and optimizer state. The step memory report is skipped und
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import tempfile
 from collections.abc import Mapping
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,14 +40,13 @@ import torch.distributed as dist
 from revtrain.parallel.data_parallel import full_state_dict, replicate, shard
 from revtrain.parallel.distributed import check_backend, init_from_env
 from revtrain.parallel.errors import PipelineConfigError
-from revtrain.parallel.launch import check_port, free_port, run_rank, start_workers, watch
 from revtrain.train import Trainer
 from revtrain.train.engine import Batch, backward_share
 from revtrain.train.environment import resolve_device
 from revtrain.train.optim import build_optimizer, build_scheduler
 from revtrain.train.resume import resolve_run
 
-__all__ = ["DataParallelEngine", "launch_data_parallel", "run_data_parallel_rank", "UNSUPPORTED"]
+__all__ = ["DataParallelEngine", "prepare_data_parallel", "run_data_parallel_rank", "UNSUPPORTED"]
 
 UNSUPPORTED = {
     "budget": "planning profiles one process; plan first with `revtrain plan` and pass --mode, or train without --data-parallel",
@@ -74,7 +68,6 @@ class DataParallelEngine:
             raise PipelineConfigError("DataParallelEngine needs an initialised process group (init_from_env)")
         self.rank, self.world, self.sharded = dist.get_rank(), dist.get_world_size(), sharded
         self.writes_files = self.rank == 0
-        self.name = f"rank {self.rank}"
         self.measures_memory = not sharded  # the report would run one process's step alone
         self.wrapped: torch.nn.Module | None = None
         self.model: torch.nn.Module | None = None
@@ -212,44 +205,27 @@ def _to_shards(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[
 # -- launching ---------------------------------------------------------------------------------
 
 
-def launch_data_parallel(given: Mapping[str, Any], world: int, *, sharded: bool = False, backend: str = "auto",
-                         port: int = 0, timeout: float = 60.0, worker_output: Any = None) -> Path:
-    """Train the run of ``given`` (``revtrain train`` options) on ``world`` local processes.
+def prepare_data_parallel(given: Mapping[str, Any], world: int, *, backend: str = "auto") -> list[str]:
+    """Check what can be checked before any process starts; returns the options every rank adds.
 
-    Everything that can be checked is checked here, before any process starts: the options
-    and the run folder (:func:`~revtrain.train.resolve_run`: a folder holding another run, a
-    checkpoint that does not fit), the backend for the device, the rendezvous port.
-
-    Returns:
-        The run folder.
-
-    Raises:
-        StageFailedError: a process failed; the others were stopped (names the rank and the cause).
+    The options and the run folder (:func:`~revtrain.train.resolve_run`: a folder holding
+    another run, a checkpoint that does not fit), the backend for the device. The ranks get the
+    folder (and the checkpoint) resolved here, and ``--threads`` sharing the cores when not given.
     """
     _refuse_unsupported(given)
     run = resolve_run(dict(given))
-    device = resolve_device(run.config.device)
-    check_backend(backend, device)
-    if port:
-        check_port(port)
-    worker_given = {**given, "run_dir": str(run.run_dir),
-                    "threads": given.get("threads") or max(1, (os.cpu_count() or 1) // world)}
+    check_backend(backend, resolve_device(run.config.device))
+    extra = ["--run-dir", str(run.run_dir)]
     if run.checkpoint is not None:
-        worker_given["resume"] = str(run.checkpoint)
-    with tempfile.TemporaryDirectory(prefix="revtrain-dp-") as scratch:
-        config = Path(scratch) / "launch.json"
-        config.write_text(json.dumps({"given": worker_given, "world": world, "sharded": sharded,
-                                      "backend": backend, "timeout": timeout}, default=list))
-        procs = start_workers(["-m", "revtrain.parallel.replicas", "--worker-config", str(config)], world,
-                              port=port or free_port(), threads=worker_given["threads"],
-                              errors=Path(scratch) / "errors", output=worker_output)
-        watch(procs, Path(scratch) / "errors", role="rank", run="data-parallel run")
-    return run.run_dir
+        extra += ["--resume", str(run.checkpoint)]
+    if not given.get("threads"):
+        extra += ["--threads", str(max(1, (os.cpu_count() or 1) // world))]
+    return extra
 
 
 def run_data_parallel_rank(given: Mapping[str, Any], world: int | None = None, *, sharded: bool = False,
                            backend: str = "auto", timeout: float = 60.0) -> dict[str, Any]:
-    """What every process runs (started by :func:`launch_data_parallel` or torchrun): join the
+    """What every process runs (started by the local launcher or torchrun): join the
     group, resolve the run (rank 0 picks the folder and the checkpoint), train."""
     _refuse_unsupported(given)
     device = resolve_device(given.get("device", "auto"))
@@ -282,22 +258,3 @@ def _refuse_unsupported(given: Mapping[str, Any]) -> None:
     for name, fix in UNSUPPORTED.items():
         if given.get(name) not in (None, 0):
             raise PipelineConfigError(f"--{name} is not available with --data-parallel: {fix}")
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m revtrain.parallel.replicas")
-    parser.add_argument("--worker-config", required=True)
-    args = parser.parse_args(argv)
-    def work() -> None:
-        data = json.loads(Path(args.worker_config).read_text())
-        given = dict(data["given"])
-        if "milestones" in given:
-            given["milestones"] = tuple(given["milestones"])
-        run_data_parallel_rank(given, data["world"], sharded=data["sharded"], backend=data["backend"],
-                               timeout=data["timeout"])
-
-    run_rank(work)
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

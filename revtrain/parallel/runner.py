@@ -39,11 +39,11 @@ from revtrain.parallel.pipeline import StageTicker
 from revtrain.parallel.simulator import Simulator
 from revtrain.parallel.timing import time_units
 from revtrain.parallel.units import model_units
-from revtrain.parallel.worker import StageWorker
+from revtrain.parallel.worker import StageWorker, plan_segments
 from revtrain.tasks import Task, task_for
 from revtrain.train.optim import LRSchedule
 
-__all__ = ["train", "measured_split", "default_run_dir"]
+__all__ = ["train", "measured_split", "checked_split", "default_run_dir"]
 
 _COLLECTIVE_TIMEOUT_S = 1800.0
 
@@ -64,6 +64,22 @@ def measured_split(model: torch.nn.Module, num_stages: int, sample: torch.Tensor
     costs = time_units(units, sample, repeats=5, warmup=2)
     stages = split_model(model, num_stages, costs=([c.stage_cost for c in costs], [c.plain_s for c in costs]))
     return [s.num_blocks for s in stages]
+
+
+def checked_split(options: RunOptions, petra: PetraConfig) -> list[int] | list[str] | None:
+    """Check a multi-process run before any process starts: the backend for the device, the
+    split on the real model (a clear error now, not in a rank); measure a balanced split once,
+    with the threads a stage will have, so that every rank uses the same."""
+    device = _device(options)
+    check_backend(options.backend, device)
+    threads = torch.get_num_threads()
+    try:
+        s = _setup(options, petra, device, parse_split(options.split))  # sets the stage's threads
+    finally:
+        torch.set_num_threads(threads)
+    for stage in s.stages[:-1]:
+        plan_segments(stage, petra.input_buffer)  # refuses input_buffer="none" on a non-reversible stage
+    return [st.num_blocks for st in s.stages] if options.split is None else parse_split(options.split)
 
 
 @dataclass

@@ -38,8 +38,6 @@ class Engine(Protocol):
 
     writes_files: bool
     """True on the process that writes the run folder and the log (one per run)."""
-    name: str
-    """This process in messages (``rank 1``)."""
     measures_memory: bool
     """Whether the summary's step memory report (one process's step alone) describes this run."""
 
@@ -84,7 +82,6 @@ class LocalEngine:
     """Every step in this process: today's single-process training."""
 
     writes_files = True
-    name = "this process"
     measures_memory = True
 
     def describe(self) -> str:

@@ -616,10 +616,8 @@ class Trainer:
         return self.config.quiet or not sys.stderr.isatty() or not self.engine.writes_files
 
     def _log(self, message: str, *, err: bool = False) -> None:
-        if self.engine.writes_files:
+        if self.engine.writes_files:  # one process speaks for the run; a failing one raises
             tqdm.write(message, file=sys.stderr if err else self.out)
-        elif err:  # another process's warnings and failures still show, named
-            tqdm.write(f"[{self.engine.name}] {message}", file=sys.stderr)
 
 
 class _NoMetrics:

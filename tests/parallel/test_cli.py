@@ -86,6 +86,7 @@ def test_data_parallel_and_sharded_runs_equal_one_process_and_resume_anywhere(tm
         (["--stages", "0"], "--stages must be an integer >= 1"),
         (["--stages", "40"], "blocks"),
         (["--stages", "2", "--split", "1,1"], "split"),
+        (["--stages", "2", "--split", "3,x"], "mixes counts and names"),
         (["--stages", "2", "--input-buffer", "none"], "input_buffer"),
         (["--stages", "2", "--accumulation", "0"], "accumulation must be an integer >= 1"),
         (["--stages", "2", "--backend", "nccl"], "nccl"),
@@ -118,7 +119,7 @@ def test_a_port_in_use_is_refused(flag: str, tmp_path: Path, capsys: pytest.Capt
     assert f"port {port} is in use" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("flag", "who"), [("--stages", "stage 1 (rank 1"), ("--data-parallel", "rank 1 (pid")])
+@pytest.mark.parametrize(("flag", "who"), [("--stages", "rank 1 (stage 1, pid"), ("--data-parallel", "rank 1 (replica 1 of 2, pid")])
 def test_a_killed_worker_ends_a_cli_run_with_a_clear_message(flag: str, who: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "revtrain.cli", "train", flag, "2", "--dataset", "synthetic", "--image-size", "8",
@@ -144,6 +145,59 @@ def test_a_killed_worker_ends_a_cli_run_with_a_clear_message(flag: str, who: str
     assert launcher.returncode == 1
     assert elapsed < 60
     assert who in err and "killed by SIGKILL" in err and "StageFailedError" in err, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_signal_to_the_launcher_ends_every_rank_and_saves_a_checkpoint(sig: signal.Signals, tmp_path: Path) -> None:
+    """SIGTERM and one Ctrl-C (SIGINT) reach every rank once (the agent forwards them): the run
+    saves a checkpoint at one step on every rank and ends with 128 + the signal. ``kill -9`` of
+    the launcher ends every rank too (they get SIGTERM from the kernel): none is left running."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "revtrain.cli", "train", "--data-parallel", "2", "--dataset", "synthetic",
+           "--image-size", "8", "--batch-size", "16", "--max-steps-per-epoch", "4", "--epochs", "1000",
+           "--run-dir", str(run_dir), "--quiet"]
+    launcher = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while '"event": "step"' not in _text(run_dir / "metrics.jsonl"):  # training is under way
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        ranks = _children(launcher.pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(launcher.pid, sig)
+        _, err = launcher.communicate(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in ranks.values()), "a rank outlived its launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    if sig == signal.SIGKILL:
+        return
+    assert launcher.returncode == 128 + sig, err
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stop = [r for r in records if r["event"] == "interrupt"]
+    assert len(stop) == 1 and stop[0]["signal"] == sig.name, err
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert saved["progress"]["step"] == stop[0]["step"]
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def _children(pid: int) -> dict[int, int]:
