@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ending}: {len(failed)} of {args.runs} runs had a rank end with a non-zero code {failed}", flush=True)
     lines = ["# Ending a data-parallel rank: runs in which a rank did not exit with 0", "",
              f"Command: `python benchmarks/rank_exit.py --runs {args.runs} --ending {' '.join(args.ending)}`; "
-             f"load average at start {os.getloadavg()[0]:.1f}.", "",
+             f"load average at the end {os.getloadavg()[0]:.1f}.", "",
              "| ending | runs | failed | exit codes of failed runs |", "|---|---:|---:|---|"]
     lines += [f"| {k} | {v['runs']} | {v['failed']} | {v['failed_codes'] or '-'} |" for k, v in rows.items()]
     write_result(args.out, "\n".join(lines) + "\n", {"machine": machine_info("cpu"), "results": rows})

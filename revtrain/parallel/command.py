@@ -77,7 +77,7 @@ class ParallelConfig:
     engine: Literal["processes", "simulator"] = "processes"
     """With --stages: one process per stage (torch.distributed), or every stage in this process (same arithmetic)."""
     data_parallel: int | None = None
-    """DDP: train on N local processes, each on 1/N of every batch (same updates as one process on the whole batch)."""
+    """DDP: train on N local processes, each on 1/N of every batch (same updates as one process on the whole batch); with --stages J, N replicas of every stage (J x N processes on a (pp, dp) device mesh)."""
     shard: bool = False
     """With --data-parallel: shard parameters, gradients and optimizer state over the processes (FSDP2)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -93,10 +93,12 @@ class ParallelConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise PipelineConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
         if self.stages is not None and self.data_parallel is not None:
-            raise PipelineConfigError(
-                "--stages and --data-parallel together (J stages x N replicas) are not supported yet; "
-                "choose one"
-            )
+            if self.shard:
+                raise PipelineConfigError("--shard with --stages: the replicas of a PETRA stage all-reduce their "
+                                          "gradients, they do not shard them; drop --shard")
+            if self.engine == "simulator":
+                raise PipelineConfigError("--engine simulator runs one replica of every stage; drop --data-parallel "
+                                          "or use --engine processes")
         if self.shard and self.data_parallel is None:
             raise PipelineConfigError("--shard shards over data-parallel processes; add --data-parallel N")
         if self.stages is None and (self.split is not None or self.engine != "processes"):
@@ -179,7 +181,8 @@ def petra_run_options(train_given: dict[str, Any], parallel: ParallelConfig, pet
             raise PipelineConfigError(f"--resume {resume}: a PETRA run is resumed from its folder (it holds one "
                                       "checkpoint per stage); pass the run folder")
         run["resume"] = True
-    options = RunOptions(**run, stages=parallel.stages, split=parallel.split, balance=parallel.balance,
+    options = RunOptions(**run, stages=parallel.stages, replicas=parallel.data_parallel or 1, split=parallel.split,
+                         balance=parallel.balance,
                          engine=parallel.engine, backend=parallel.backend, port=parallel.port,
                          timeout=parallel.timeout)
     petra = PetraConfig(**petra_given, **{k: train_given[k] for k in SHARED_WITH_TRAIN if k in train_given})
@@ -202,7 +205,9 @@ def _run_petra(argv: list[str], train_given: dict[str, Any], parallel: ParallelC
     split = checked_split(options, petra)  # a clear error before any process starts; measured once
     run_dir = options.run_dir or str(default_run_dir(options))
     extra = ["--run-dir", run_dir] + (["--split", ",".join(map(str, split))] if split else [])
-    launch_ranks([*argv, *extra], options.stages, role=lambda r: f"stage {r}", run="PETRA run", port=options.port)
+    n = options.replicas
+    role = (lambda r: f"stage {r}") if n == 1 else (lambda r: f"stage {r // n}, replica {r % n}")
+    launch_ranks([*argv, *extra], options.stages * n, role=role, run="PETRA run", port=options.port)
     return 0
 
 

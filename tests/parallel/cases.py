@@ -237,3 +237,24 @@ def pipeline_case(case: str, num_stages: int) -> tuple[nn.Module, list, PetraCon
     if case == "revnet":
         return small_revnet(), revnet_batches(5), PetraConfig(lr=0.05, accumulation=2), None
     raise ValueError(case)
+
+
+def hybrid_rank(rank: int, world: int, out_dir: str) -> None:
+    """J = 2 stages x N = 2 replicas on a (pp, dp) device mesh: each replica's pipeline takes half
+    of every batch of the toy case; the stage's replicas average their gradients before each update."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    num_stages, replicas = 2, world // 2
+    model, batches, config, split = pipeline_case("toy", num_stages)
+    index, replica = divmod(rank, replicas)
+    mesh = init_device_mesh("cpu", (num_stages, replicas), mesh_dim_names=("pp", "dp"))
+    stages = split_model(model, num_stages, split)
+    half = batches[0][0].shape[0] // replicas
+    pipe = DistributedPipeline.for_rank(stages, index, config=config, batch_size=batches[0][0].shape[0],
+                                        task=Classification(), sample=(batches[0][0][:half], batches[0][1][:half]),
+                                        stage_ranks=[j * replicas + replica for j in range(num_stages)])
+    pipe.worker.replica_group = mesh.get_group("dp")
+    mine = [(x.tensor_split(replicas)[replica], y.tensor_split(replicas)[replica]) for x, y in batches]
+    pipe.train_epoch(0, mine if index == 0 else None, [half] * len(batches))
+    torch.save({"units": pipe.stage.unit_state_dict(), "updates": pipe.worker.updates},
+               Path(out_dir) / f"hybrid-rank{rank}.pt")
