@@ -6,13 +6,17 @@ fields ``revtrain train`` already has); ``revtrain.cli`` adds them to the ``trai
 :func:`run_parallel` runs the command when one of them is given (None otherwise: an ordinary
 run):
 
-- ``--stages J`` maps the ``train`` options onto a PETRA run (:class:`~revtrain.parallel.options.RunOptions`)
-  and launches it (:func:`~revtrain.parallel.launch.launch`, or the simulator with
-  ``--engine simulator``). Options PETRA does not have (another optimizer, a memory budget,
-  mixed precision, ...) are refused by name before anything runs. ``--lr`` given is the peak
-  learning rate; without it PETRA's rule applies (``lr_per_256 · batch · k / 256``).
-- ``--data-parallel N`` runs the ordinary trainer on N processes
-  (:mod:`revtrain.parallel.replicas`); ``--shard`` shards it with FSDP2.
+Every engine first validates the options as one process does (:class:`~revtrain.train.TrainConfig`).
+
+- ``--stages J`` maps the ``train`` options onto a PETRA run (:class:`~revtrain.parallel.options.RunOptions`),
+  checks the split on the real model and starts J ranks (J x N with ``--data-parallel N``)
+  through torch's elastic agent (:func:`~revtrain.parallel.launch.launch_ranks`), or runs the
+  simulator with ``--engine simulator``. Options PETRA does not have (another optimizer, a
+  memory budget, mixed precision, ...) are refused by name before anything runs; so is a run
+  folder that holds a run. ``--lr`` given is the peak learning rate; without it PETRA's rule
+  applies (``lr_per_256 · batch · k / 256``).
+- ``--data-parallel N`` runs the ordinary trainer on N ranks with a
+  :class:`~revtrain.parallel.replicas.DataParallelEngine`; ``--shard`` shards it with FSDP2.
 
 Under ``torchrun`` this process is one rank: it trains instead of launching.
 """
@@ -21,13 +25,15 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from revtrain.parallel.config import PetraConfig
-from revtrain.train.config import TrainConfig
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
+from revtrain.train.config import TrainConfig
+from revtrain.train.runs import RunExistsError, holds_run
 
 __all__ = ["ParallelConfig", "run_parallel", "petra_run_options", "PETRA_UNSUPPORTED", "SHARED_WITH_TRAIN"]
 
@@ -181,12 +187,22 @@ def petra_run_options(train_given: dict[str, Any], parallel: ParallelConfig, pet
             raise PipelineConfigError(f"--resume {resume}: a PETRA run is resumed from its folder (it holds one "
                                       "checkpoint per stage); pass the run folder")
         run["resume"] = True
+    elif run.get("run_dir") and _holds_a_run(Path(run["run_dir"])):
+        raise RunExistsError(
+            f"--run-dir {run['run_dir']} already holds a run; nothing was changed. Continue it with --resume "
+            f"{run['run_dir']}, or pass another --run-dir"
+        )
     options = RunOptions(**run, stages=parallel.stages, replicas=parallel.data_parallel or 1, split=parallel.split,
                          balance=parallel.balance,
                          engine=parallel.engine, backend=parallel.backend, port=parallel.port,
                          timeout=parallel.timeout)
     petra = PetraConfig(**petra_given, **{k: train_given[k] for k in SHARED_WITH_TRAIN if k in train_given})
     return options, petra
+
+
+def _holds_a_run(folder: Path) -> bool:
+    """A single-process or data-parallel run (its checkpoint), or a PETRA run (its manifest)."""
+    return holds_run(folder) or (folder / "checkpoints" / "latest.json").is_file()
 
 
 def _run_petra(argv: list[str], train_given: dict[str, Any], parallel: ParallelConfig,

@@ -233,3 +233,42 @@ def test_torchrun_without_a_parallel_option_is_refused(tmp_path: Path, monkeypat
     assert main(["train", "--epochs", "1", "--max-steps-per-epoch", "1", "--run-dir", str(tmp_path / "run")]) == 2
     assert "add --data-parallel 2" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+ENGINES = {"local": [], "data-parallel": ["--data-parallel", "2"], "petra": ["--stages", "2"]}
+REFUSALS = [
+    (["--lr", "inf"], "lr (--lr) must be a finite number"),
+    (["--weight-decay", "nan"], "weight_decay (--weight-decay) must be a finite number"),
+    (["--warmup-epochs", "-1"], "warmup_epochs must be >= 0"),
+    (["--eval-batch-size", "0"], "eval_batch_size must be an integer >= 1"),
+    (["--gamma", "5"], "gamma must be in (0, 1]"),
+    (["--milestones", "0.7", "0.3"], "milestones must be increasing"),
+    (["--image-size", "0"], "image_size must be an integer >= 1"),
+    (["--accumulation", "0"], "accumulation must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_every_engine_refuses_the_same_bad_options_before_anything_runs(
+        engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    for argv, message in REFUSALS:
+        assert main(["train", *ENGINES[engine], *argv, "--run-dir", str(run_dir)]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err, (argv, err)
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("engine", "layout"), [*((e, "checkpoint.pt") for e in ENGINES),
+                                                 ("petra", "checkpoints/latest.json")])
+def test_every_engine_refuses_a_folder_holding_a_run(engine: str, layout: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder holding a single-process or data-parallel run (checkpoint.pt), or a PETRA run
+    (checkpoints/latest.json), is refused without --resume and left as it was."""
+    run_dir = tmp_path / "run"
+    (run_dir / layout).parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / layout).write_text("{}")
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    assert main(["train", *ENGINES[engine], "--epochs", "1", "--run-dir", str(run_dir)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
