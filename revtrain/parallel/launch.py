@@ -6,7 +6,7 @@ restarts). Every rank is then the same program as one started by ``torchrun --nn
 by hand: the local path and the multi-node path are one code path.
 
 What the agent does for us: it watches the ranks, and when one fails (an exception, ``kill -9``,
-out of memory) it stops the others (SIGTERM, then SIGKILL after its shutdown timeout) and
+out of memory) it stops the others (SIGTERM, then SIGKILL after ``_SHUTDOWN_S``) and
 raises ``ChildFailedError`` with each rank's exit code or signal and, from the error file a
 rank writes (:func:`run_rank`, the agent's ``TORCHELASTIC_ERROR_FILE``), the exception that
 ended it. A signal to the launcher (Ctrl-C, SIGTERM) is forwarded once to every rank, which
@@ -33,6 +33,9 @@ from revtrain.parallel.errors import PipelineConfigError, StageFailedError
 __all__ = ["launch_ranks", "run_rank", "die_with_launcher", "check_port"]
 
 _PR_SET_PDEATHSIG = 1
+_SHUTDOWN_S = 120
+"""Seconds the agent gives the ranks to stop after SIGTERM before SIGKILL: a rank stopped by a
+signal finishes its step and saves a checkpoint first (a rank whose neighbour died fails at once)."""
 
 
 def check_port(port: int) -> None:
@@ -69,7 +72,7 @@ def launch_ranks(argv: Sequence[str], nprocs: int, *, role: Callable[[int], str]
         check_port(port)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"revtrain-{uuid.uuid4().hex[:12]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-                          monitor_interval=0.1, local_addr="127.0.0.1")
+                          monitor_interval=0.1, local_addr="127.0.0.1", shutdown_timeout=_SHUTDOWN_S)
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "revtrain.cli", *argv)
     except ChildFailedError as err:

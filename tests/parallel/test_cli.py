@@ -160,8 +160,8 @@ def test_a_signal_to_the_launcher_ends_every_rank_and_saves_a_checkpoint(sig: si
     the launcher ends every rank too (they get SIGTERM from the kernel): none is left running."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "revtrain.cli", "train", "--data-parallel", "2", "--dataset", "synthetic",
-           "--image-size", "8", "--batch-size", "16", "--max-steps-per-epoch", "4", "--epochs", "1000",
-           "--run-dir", str(run_dir), "--quiet"]
+           "--image-size", "8", "--batch-size", "16", "--eval-batch-size", "256", "--max-steps-per-epoch", "4",
+           "--epochs", "1000", "--run-dir", str(run_dir), "--quiet"]
     launcher = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     try:
