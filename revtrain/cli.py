@@ -33,9 +33,9 @@ EXIT_INTERRUPTED = 130
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``revtrain`` command line; returns the exit status."""
     parser = _build_parser()
-    given = list(argv) if argv is not None else sys.argv[1:]
-    args = parser.parse_args(given)
-    args.argv = given  # the words as typed, for commands that record them (bench)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv  # what the ranks of a multi-process run are started with
     if not hasattr(args, "run"):
         parser.print_help()
         return EXIT_USAGE
@@ -122,7 +122,7 @@ def _run_train(args: argparse.Namespace) -> int:
     given, parallel, petra = merge_with_file(args.config, [(TrainConfig, _given(args, TrainConfig)),
                                                            (ParallelConfig, _given(args, ParallelConfig)),
                                                            (PetraConfig, petra)])
-    status = run_parallel(given, parallel, petra)
+    status = run_parallel(args.argv, given, parallel, petra)
     if status is not None:
         return status
     trainer = Trainer(resolve_run(given))

@@ -9,14 +9,13 @@ the current parameters (:func:`revtrain.core.reverse_step`). See ``docs/parallel
 - :class:`StageWorker` — one stage's forward, backward, accumulation and buffers.
 - :class:`Simulator` — every stage in one process (the oracle).
 - :class:`DistributedPipeline` — one process per stage on ``torch.distributed``.
-- :func:`launch` / :func:`train` — a whole training run (``python -m revtrain.parallel``).
+- :func:`train` — a whole PETRA training run (``revtrain train --stages J`` starts it on every rank).
 - :mod:`revtrain.parallel.data_parallel` — DDP and FSDP2 for reversible models.
 """
 
 from revtrain.parallel.config import PetraConfig
 from revtrain.parallel.distributed import DistributedPipeline
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
-from revtrain.parallel.launch import launch
 from revtrain.parallel.options import RunOptions
 from revtrain.parallel.partition import Stage, split_model, stage_shapes
 from revtrain.parallel.runner import train
@@ -35,7 +34,6 @@ __all__ = [
     "StageFailedError",
     "StageWorker",
     "Unit",
-    "launch",
     "model_units",
     "split_model",
     "stage_shapes",

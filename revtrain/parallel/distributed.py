@@ -18,10 +18,12 @@ Every wait has a timeout: a neighbour that died or hangs makes this process rais
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,7 +38,7 @@ from revtrain.parallel.worker import StageWorker, plan_segments
 from revtrain.tasks import Task
 from revtrain.train.optim import LRSchedule
 
-__all__ = ["Shapes", "TickTiming", "DistributedPipeline", "init_from_env", "check_backend", "batch_sizes"]
+__all__ = ["Shapes", "TickTiming", "DistributedPipeline", "init_from_env", "check_backend", "batch_sizes", "exit_rank"]
 
 _ACT, _TARGET, _REBUILT, _GRAD = 0, 1, 2, 3  # message tags
 
@@ -63,6 +65,26 @@ def check_backend(backend: str, device: torch.device) -> str:
     else:
         raise PipelineConfigError(f"unknown backend {backend!r}; use 'auto', 'gloo' or 'nccl'")
     return backend
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End this rank's process at once: destroy the process group, flush, ``os._exit(code)``.
+
+    DDP's reducer and FSDP2's device mesh keep the gloo process group alive past
+    ``destroy_process_group()``; its worker threads then race the interpreter's finalization
+    and can abort a rank that finished and saved everything (SIGABRT, "terminate called without
+    an active exception"). A rank's files are closed by then, so it leaves without finalizing.
+    """
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
+                pass
+        os._exit(code)
 
 
 def init_from_env(backend: str, timeout_s: float) -> tuple[int, int]:

@@ -1,75 +1,41 @@
-"""Start J local stage processes and watch them: the local launcher of a PETRA run.
+"""Start a run's local ranks through torch's elastic agent, what ``torchrun`` runs.
 
-:func:`launch` checks everything that can be checked before any process starts (the split fits
-the model, the backend exists, the rendezvous port is free), measures the balanced split once
-(so every rank uses the same), writes the run's settings, then starts one
-``python -m revtrain.parallel --worker-config <file>`` process per stage with the ``env://``
-rendezvous variables that ``torchrun`` would set (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``).
+:func:`launch_ranks` starts ``python -m revtrain.cli <argv>`` on N local processes with
+``torch.distributed.launcher.api.elastic_launch`` (a c10d rendezvous on this machine, no
+restarts). Every rank is then the same program as one started by ``torchrun --nnodes ...``
+by hand: the local path and the multi-node path are one code path.
 
-**Watchdog.** The launcher polls its children. When one exits with an error or is killed by a
-signal (``kill -9``), the others are given a few seconds to stop on their own (their
-neighbours' receives fail), then terminated, then killed; :class:`~revtrain.parallel.errors.StageFailedError`
-names the stage that failed first, how (exit code or signal), and what each failed stage wrote
-to its error file. A stage that hangs without dying makes its neighbours time out (``timeout``
-seconds per tick), which the watchdog then sees the same way. So a run never hangs: it ends
-within ``timeout`` plus a few seconds of a failure.
+What the agent does for us: it watches the ranks, and when one fails (an exception, ``kill -9``,
+out of memory) it stops the others (SIGTERM, then SIGKILL after ``_SHUTDOWN_S``) and
+raises ``ChildFailedError`` with each rank's exit code or signal and, from the error file a
+rank writes (:func:`run_rank`, the agent's ``TORCHELASTIC_ERROR_FILE``), the exception that
+ended it. A signal to the launcher (Ctrl-C, SIGTERM) is forwarded once to every rank, which
+then saves a checkpoint as a single-process run does. What we add: the message, which names
+the rank that failed first, its role in the run (stage or replica) and the cause, and
+:func:`die_with_launcher`, which ends a rank whose launcher was killed outright (``kill -9``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
+import ctypes
 import os
 import signal
 import socket
-import subprocess
 import sys
-import time
 import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
+import uuid
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
-import torch
-
-from revtrain.parallel.config import PetraConfig
-from revtrain.parallel.distributed import check_backend
+from revtrain.parallel.distributed import exit_rank
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
-from revtrain.parallel.options import RunOptions, parse_split
-from revtrain.parallel.partition import split_model
-from revtrain.parallel.worker import plan_segments
 
-__all__ = ["launch", "start_workers", "watch", "free_port", "check_port", "ERROR_FILE_ENV", "reporting_to_launcher"]
+__all__ = ["launch_ranks", "run_rank", "die_with_launcher", "check_port"]
 
-ERROR_FILE_ENV = "REVTRAIN_ERROR_FILE"
-"""Environment variable naming the file a worker writes its error to before exiting."""
-
-_GRACE_S = 3.0
-_POLL_S = 0.1
-
-
-@contextlib.contextmanager
-def reporting_to_launcher() -> Iterator[None]:
-    """Run a started rank's work; if it fails, write the traceback to the file the launcher reads
-    (``ERROR_FILE_ENV``) so that its message names the cause, then let the error end the rank."""
-    try:
-        yield
-    except BaseException as err:  # noqa: BLE001 - report every failure to the launcher, then fail
-        error_file = os.environ.get(ERROR_FILE_ENV)
-        if error_file and not isinstance(err, KeyboardInterrupt):
-            with open(error_file, "w") as f:
-                f.write(traceback.format_exc())
-                f.write(f"{type(err).__name__}: {err}\n")
-        raise
-
-
-def free_port() -> int:
-    """A TCP port that is free on this machine right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+_PR_SET_PDEATHSIG = 1
+_SHUTDOWN_S = 120
+"""Seconds the agent gives the ranks to stop after SIGTERM before SIGKILL: a rank stopped by a
+signal finishes its step and saves a checkpoint first (a rank whose neighbour died fails at once)."""
 
 
 def check_port(port: int) -> None:
@@ -84,155 +50,101 @@ def check_port(port: int) -> None:
             ) from None
 
 
-def launch(options: RunOptions, petra: PetraConfig, *, log: Callable[[str], None] = print,
-           worker_output: Any = None) -> dict[str, Any]:
-    """Run ``options`` on ``options.stages`` local processes; returns rank 0's summary.
+def launch_ranks(argv: Sequence[str], nprocs: int, *, role: Callable[[int], str], run: str, port: int = 0) -> None:
+    """Run ``python -m revtrain.cli <argv>`` on ``nprocs`` local ranks; return when all succeeded.
 
     Args:
-        options: The run; ``engine`` must be ``"processes"``.
-        petra: PETRA's options.
-        log: Where the launcher's own messages go.
-        worker_output: ``stdout``/``stderr`` of the workers (default: inherited, so rank 0's
-            progress lines show); e.g. ``subprocess.DEVNULL`` or an open file.
+        argv: The ``revtrain`` command line of every rank (``train ...``).
+        nprocs: Ranks to start.
+        role: What rank ``r`` is in the run, for messages (``stage 1``, ``replica 1 of 2``).
+        run: What is stopped on a failure, for messages (``PETRA run``).
+        port: Rendezvous port (0: a free one).
 
     Raises:
-        PipelineConfigError: a setting that cannot work, before any process starts.
-        StageFailedError: a stage failed; the others were stopped (see the module docstring).
+        StageFailedError: a rank failed; the others were stopped (names the rank, its role and
+            the cause).
+        SignalException: the launcher got SIGINT or SIGTERM; every rank got it too.
     """
-    from revtrain.parallel.runner import default_run_dir
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    device = torch.device("cuda" if options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available()) else "cpu")
-    check_backend(options.backend, device)
-    if options.port:
-        check_port(options.port)
-    split = _checked_split(options, petra, device)
-    run_dir = Path(options.run_dir) if options.run_dir else default_run_dir(options)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    port = options.port or free_port()
-    worker_options = replace(options, split=",".join(map(str, split)) if split else options.split,
-                             run_dir=str(run_dir), port=port)
-    config = run_dir / "launch.json"
-    config.write_text(json.dumps({"options": worker_options.to_dict(), "petra": vars(petra)}, indent=2))
-    errors = run_dir / "errors"
-    procs = start_workers(["-m", "revtrain.parallel", "--worker-config", str(config)], options.stages,
-                          port=port, threads=options.threads, errors=errors, output=worker_output)
-    watch(procs, errors)
-    summary_path = run_dir / "summary.json"
-    return json.loads(summary_path.read_text()) if summary_path.exists() else {"run_dir": str(run_dir)}
-
-
-def _checked_split(options: RunOptions, petra: PetraConfig, device: torch.device) -> list[int] | list[str] | None:
-    """Validate the split on the real model (a clear error before any process starts); measure a balanced one."""
-    from revtrain.data import build_dataloaders
-    from revtrain.models import create_model
-    from revtrain.parallel.runner import measured_split
-
-    split = parse_split(options.split)
-    train_loader, _, info = build_dataloaders(options.dataset, batch_size=options.batch_size, data_dir=options.data_dir,
-                                              seed=options.seed, image_size=options.image_size, drop_last=True)
-    dtype = torch.float64 if options.dtype == "float64" else torch.float32
-    torch.manual_seed(options.seed)
-    model = create_model(options.model, in_channels=info.in_channels, num_classes=info.num_classes).to(device, dtype)
-    if split is None and options.balance == "time" and options.stages > 1:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(options.threads)  # time units as the workers will run them
-        try:
-            x, _ = next(iter(train_loader))
-            split = measured_split(model, options.stages, x.to(device, dtype))
-        finally:
-            torch.set_num_threads(threads)
-    for stage in split_model(model, options.stages, split)[:-1]:
-        plan_segments(stage, petra.input_buffer)  # refuses input_buffer="none" on a non-reversible stage
-    return split
-
-
-def start_workers(argv: list[str], world: int, *, port: int, threads: int, errors: Path,
-                  output: Any = None) -> list[subprocess.Popen]:
-    """Start ``world`` local ``python <argv>`` processes with the ``env://`` rendezvous variables
-    torchrun would set, ``OMP_NUM_THREADS=threads``, and each its own error file in ``errors``."""
-    errors.mkdir(parents=True, exist_ok=True)
-    for old in errors.glob("rank*.txt"):
-        old.unlink()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                   OMP_NUM_THREADS=str(threads), **{ERROR_FILE_ENV: str(errors / f"rank{rank}.txt")})
-        procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=output, stderr=output))
-    return procs
-
-
-def watch(procs: list[subprocess.Popen], errors: Path, *, role: str = "stage", run: str = "PETRA run") -> None:
-    """Wait for every process; when one fails, stop the others and raise ``StageFailedError``.
-
-    Args:
-        procs: The processes, by rank.
-        errors: The folder of their error files (``rank<r>.txt``).
-        role: What a rank is called in the message ("stage", "rank").
-        run: What was stopped ("PETRA run", "data-parallel run").
-    """
+    if port:
+        check_port(port)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"revtrain-{uuid.uuid4().hex[:12]}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
+                          monitor_interval=0.1, local_addr="127.0.0.1", shutdown_timeout=_SHUTDOWN_S)
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c == 0 for c in codes):
-                return
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                break
-            time.sleep(_POLL_S)
-        first = _first_failure(procs, failed)
-        deadline = time.monotonic() + _GRACE_S
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(_POLL_S)
-    except KeyboardInterrupt:
-        _stop(procs)
-        raise
-    stopped = _stop(procs)
-    raise StageFailedError(_failure_message(procs, first, stopped, errors, role, run))
+        elastic_launch(config, entrypoint=sys.executable)("-m", "revtrain.cli", *argv)
+    except ChildFailedError as err:
+        raise StageFailedError(_failure_message(err, role, run)) from None
 
 
-def _first_failure(procs: list[subprocess.Popen], failed: list[int]) -> int:
-    # A stage killed by a signal is the cause; its neighbours then fail because it vanished.
-    killed = [r for r in failed if (procs[r].returncode or 0) < 0]
-    return (killed or failed)[0]
+def _failure_message(err: object, role: Callable[[int], str], run: str) -> str:
+    failures = err.failures  # type: ignore[attr-defined]
+    # A rank killed by a signal (not the launcher's SIGTERM) is the cause; its neighbours then
+    # fail because it vanished, and may report before the agent sees the killed one.
+    killed = sorted(r for r, f in failures.items() if f.exitcode is not None and f.exitcode < 0
+                    and f.signal_name() != "SIGTERM")
+    first_rank, first = (killed[0], failures[killed[0]]) if killed else err.get_first_failure()  # type: ignore[attr-defined]
+    lines = [f"rank {first_rank} ({role(first_rank)}, pid {first.pid}) {_how(first)}; the {run} was stopped"]
+    for rank, failure in sorted(failures.items()):
+        cause = _cause(failure)
+        if rank == first_rank:
+            lines.append(f"  rank {rank} ({role(rank)}): failed first" + (f": {cause}" if cause else ""))
+        elif failure.signal_name() == "SIGTERM" and not cause:
+            lines.append(f"  rank {rank} ({role(rank)}): stopped by the launcher")
+        else:
+            lines.append(f"  rank {rank} ({role(rank)}): {_how(failure)}" + (f": {cause}" if cause else ""))
+    return "\n".join(lines)
 
 
-def _stop(procs: list[subprocess.Popen]) -> list[int]:
-    stopped = [r for r, p in enumerate(procs) if p.poll() is None]
-    for r in stopped:
-        procs[r].terminate()
-    deadline = time.monotonic() + _GRACE_S
-    for r in stopped:
-        try:
-            procs[r].wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            procs[r].kill()
-            procs[r].wait()
-    return stopped
-
-
-def _how(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
+def _how(failure: object) -> str:
+    code = failure.exitcode  # type: ignore[attr-defined]
+    if code is not None and code < 0:
+        return f"was killed by {failure.signal_name()}"  # type: ignore[attr-defined]
     return f"exited with code {code}"
 
 
-def _failure_message(procs: list[subprocess.Popen], first: int, stopped: list[int], errors: Path,
-                     role: str = "stage", run: str = "PETRA run") -> str:
-    who = (lambda r: f"stage {r} (rank {r}") if role == "stage" else (lambda r: f"rank {r} (")
-    lines = [f"{who(first)}{', ' if role == 'stage' else ''}pid {procs[first].pid}) "
-             f"{_how(procs[first].returncode)}; the {run} was stopped"]
-    for r, p in enumerate(procs):
-        note = (errors / f"rank{r}.txt").read_text().strip() if (errors / f"rank{r}.txt").exists() else ""
-        if r == first or p.returncode not in (0, None) and r not in stopped:
-            state = _how(p.returncode) if r != first else "failed first"
-            lines.append(f"  {role} {r}: {state}" + (f": {note.splitlines()[-1]}" if note else ""))
-        elif r in stopped:
-            lines.append(f"  {role} {r}: stopped by the launcher")
-    return "\n".join(lines)
+def _cause(failure: object) -> str:
+    message = failure.message  # type: ignore[attr-defined]
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    if not message or message.startswith("Signal ") or message == "<N/A>":
+        return ""
+    return str(message).strip().splitlines()[-1]
+
+
+def die_with_launcher() -> None:
+    """Have the kernel send this rank SIGTERM when its launcher dies (Linux ``PR_SET_PDEATHSIG``):
+    a launcher killed with ``kill -9`` leaves no rank running unseen; the ranks save a checkpoint
+    and end. Elsewhere a no-op."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except OSError:
+        pass
+
+
+def run_rank(work: Callable[[], object]) -> NoReturn:
+    """Run a started rank's ``work``, then end the process with :func:`~revtrain.parallel.distributed.exit_rank`.
+
+    A failure is printed and recorded in the agent's error file (``TORCHELASTIC_ERROR_FILE``,
+    what ``@record`` writes), so that the launcher's message names the cause; the exit code is 1
+    (128 + the signal after a stop on Ctrl-C or SIGTERM, once the checkpoint is saved).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    die_with_launcher()
+    code = 1
+    try:
+        work()
+        code = 0
+    except KeyboardInterrupt as stop:
+        code = 128 + int(getattr(stop, "signum", signal.SIGINT))
+    except BaseException as err:  # noqa: BLE001 - report every failure to the launcher, then fail
+        traceback.print_exc()
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            get_error_handler().record_exception(err)
+    finally:
+        exit_rank(code)

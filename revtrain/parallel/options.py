@@ -35,6 +35,8 @@ class RunOptions:
     """J: stages (one worker process each with --engine processes; with torchrun, the world size)."""
     split: str | None = None
     """Blocks per stage (3,3,2) or the names of the blocks opening stages 2..J; default: balanced by measured time."""
+    replicas: int = 1
+    """N: data-parallel replicas of every stage (J x N processes); each replica's pipeline takes 1/N of every batch."""
     balance: Literal["time", "count"] = "time"
     """Without --split: balance the stages by measured per-unit time, or give each the same number of blocks."""
     engine: Engine = "processes"
@@ -77,7 +79,7 @@ class RunOptions:
     """Print only the summary."""
 
     def __post_init__(self) -> None:
-        for name, low in (("stages", 1), ("epochs", 1), ("batch_size", 1), ("threads", 1)):
+        for name, low in (("stages", 1), ("replicas", 1), ("epochs", 1), ("batch_size", 1), ("threads", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise PipelineConfigError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -89,6 +91,11 @@ class RunOptions:
             raise PipelineConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
         if self.engine not in ("processes", "simulator"):
             raise PipelineConfigError(f"engine must be 'processes' or 'simulator', got {self.engine!r}")
+        if self.batch_size % self.replicas:
+            raise PipelineConfigError(
+                f"batch_size {self.batch_size} does not split into {self.replicas} equal slices, one per replica; "
+                f"use a multiple of {self.replicas}"
+            )
         if self.resume and not self.run_dir:
             raise PipelineConfigError("resume needs --run-dir: the folder of the run to continue")
         parse_split(self.split)

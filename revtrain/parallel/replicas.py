@@ -2,15 +2,16 @@
 
 ``revtrain train --data-parallel N`` starts N local processes (gloo on CPU, NCCL on CUDA,
 ``env://`` rendezvous, so ``torchrun --nproc-per-node N -m revtrain.cli train --data-parallel N``
-works too). Every process runs :class:`DataParallelTrainer`, the ordinary trainer with three
-seams changed:
+works too). Every process runs the ordinary :class:`~revtrain.train.Trainer` with a
+:class:`DataParallelEngine`, which changes three things:
 
 - **The step.** Every process reads the same batch of ``--batch-size`` samples (the loaders
   are seeded alike, so data order, augmentation and resume positions are the single-process
   run's) and trains on its own slice of it (``tensor_split``: sizes differ by at most one).
-  Each slice's mean loss is scaled by ``slice * N / batch`` so that DDP's average of the N
-  gradients is the gradient of the whole batch's mean loss: the update equals one process on
-  the same batch (up to the order of float additions; batch norm normalises each slice with
+  Each slice's mean loss is scaled by ``slice * N / step`` (``step``: the samples of the step's
+  ``--accumulation`` micro-batches) so that DDP's average of the N gradients is the gradient of
+  the whole step's mean loss; gradients are synchronised on a step's last micro-batch only. The
+  update equals one process on the same batches (up to the order of float additions; batch norm normalises each slice with
   its own statistics, as DDP always does). The loss and the task's sums are all-reduced, so
   the metrics, the progress and the divergence check are the whole batch's on every rank.
 - **Evaluation**: each rank evaluates its slice of every test batch; the sums are all-reduced.
@@ -28,14 +29,9 @@ parameters, gradients and optimizer state. The step memory report is skipped und
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import sys
-import tempfile
 from collections.abc import Mapping
-from dataclasses import replace
-from pathlib import Path
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -44,16 +40,13 @@ import torch.distributed as dist
 from revtrain.parallel.data_parallel import full_state_dict, replicate, shard
 from revtrain.parallel.distributed import check_backend, init_from_env
 from revtrain.parallel.errors import PipelineConfigError
-from revtrain.parallel.launch import check_port, free_port, reporting_to_launcher, start_workers, watch
 from revtrain.train import Trainer
-from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
-from revtrain.train.divergence import TrainingDivergedError
+from revtrain.train.engine import Batch, backward_share
 from revtrain.train.environment import resolve_device
 from revtrain.train.optim import build_optimizer, build_scheduler
-from revtrain.train.resume import ResolvedRun, resolve_run
-from revtrain.train.trainer import Batch
+from revtrain.train.resume import resolve_run
 
-__all__ = ["DataParallelTrainer", "launch_data_parallel", "run_data_parallel_rank", "UNSUPPORTED"]
+__all__ = ["DataParallelEngine", "prepare_data_parallel", "run_data_parallel_rank", "UNSUPPORTED"]
 
 UNSUPPORTED = {
     "budget": "planning profiles one process; plan first with `revtrain plan` and pass --mode, or train without --data-parallel",
@@ -63,173 +56,126 @@ UNSUPPORTED = {
 """``revtrain train`` options that a data-parallel run refuses, and what to do instead."""
 
 
-class _NoMetrics:
-    """The metrics file of a rank other than 0: it writes nothing."""
-
-    def write(self, event: str, **fields: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class DataParallelTrainer(Trainer):
-    """The :class:`~revtrain.train.Trainer` as one of N data-parallel processes (module docstring).
+class DataParallelEngine:
+    """The :class:`~revtrain.train.engine.Engine` of one of N data-parallel processes (module docstring).
 
     Args:
-        run: The resolved run (the same on every rank).
         sharded: FSDP2 instead of DDP.
-        out: Where rank 0's log lines go.
     """
 
-    def __init__(self, run: ResolvedRun, *, sharded: bool = False, out: Any = None) -> None:
+    def __init__(self, *, sharded: bool = False) -> None:
         if not dist.is_initialized():
-            raise PipelineConfigError("DataParallelTrainer needs an initialised process group (init_from_env)")
+            raise PipelineConfigError("DataParallelEngine needs an initialised process group (init_from_env)")
         self.rank, self.world, self.sharded = dist.get_rank(), dist.get_world_size(), sharded
-        super().__init__(run, out=out)
-        self._check_slices()
-        if sharded:
-            self._shard()
-            self.wrapped: torch.nn.Module = self.model
+        self.writes_files = self.rank == 0
+        self.measures_memory = not sharded  # the report would run one process's step alone
+        self.wrapped: torch.nn.Module | None = None
+        self.model: torch.nn.Module | None = None
+
+    def describe(self) -> str:
+        what = "FSDP2, parameters sharded" if self.sharded else "DDP"
+        return f"data parallel over {self.world} processes ({what}), each on 1/{self.world} of every batch"
+
+    def attach(self, trainer: Trainer) -> None:
+        self._check_slices(trainer)
+        self.model = trainer.model
+        if self.sharded:
+            self._shard(trainer)
+            self.wrapped = trainer.model
         else:
-            self.wrapped = replicate(self.model, self.device if self.device.type == "cuda" else None)
-        what = "FSDP2, parameters sharded" if sharded else "DDP"
-        self._log(f"data parallel: {self.world} processes ({what}), each on 1/{self.world} of every batch of "
-                  f"{self.config.batch_size}")
+            self.wrapped = replicate(trainer.model, trainer.device if trainer.device.type == "cuda" else None)
 
-    # -- set-up ------------------------------------------------------------------------------
-
-    def _open_run(self, run: ResolvedRun) -> None:
-        if self.rank == 0:
-            super()._open_run(run)
-            return
-        if run.state is not None:  # the same restore as rank 0, writing nothing
-            from revtrain.train.optim import apply_hyperparameters
-
-            self.state.restore(run.state, run.checkpoint)
-            apply_hyperparameters(self.optimizer, self.scheduler, self.schedule, lr=self.config.lr,
-                                  momentum=self.config.momentum, nesterov=self.config.nesterov,
-                                  weight_decay=self.config.weight_decay)
-        if run.state is None or run.strategy_changed:
-            from revtrain.core import set_modes
-
-            set_modes(self.model, self.config.mode)
-        self.metrics = _NoMetrics()  # type: ignore[assignment]
-
-    def _check_slices(self) -> None:
-        sizes = {self.config.batch_size}
-        rest = self.data_info.train_size % self.config.batch_size
-        if rest and self.steps_per_epoch == len(self.train_loader):
+    def _check_slices(self, trainer: Trainer) -> None:
+        c, info = trainer.config, trainer.data_info
+        sizes = {c.batch_size}
+        rest = info.train_size % c.batch_size
+        if rest and trainer.batches_per_epoch == len(trainer.train_loader):
             sizes.add(rest)
         small = min(sizes)
         if small < self.world:
             raise PipelineConfigError(
                 f"a training batch of {small} samples cannot be shared by {self.world} processes (each needs "
                 f"at least one); use --batch-size of at least {self.world}"
-                + (f" and one that leaves no last batch below {self.world} ({self.data_info.train_size} samples), "
+                + (f" and one that leaves no last batch below {self.world} ({info.train_size} samples), "
                    "or --max-steps-per-epoch to skip it" if rest and small == rest else "")
             )
 
-    def _shard(self) -> None:
+    def _shard(self, trainer: Trainer) -> None:
         """Shard the model (already restored on resume) and move the optimizer onto the shards."""
-        opt_state, sched_state = self.optimizer.state_dict(), self.scheduler.state_dict()
-        shard(self.model, per_block=True)
-        c = self.config
-        self.optimizer = build_optimizer(self.model, lr=c.lr, momentum=c.momentum, nesterov=c.nesterov,
-                                         weight_decay=c.weight_decay, kind=c.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, self.schedule)
-        self.optimizer.load_state_dict(_to_shards(opt_state, self.optimizer))  # lr and momentum as they were
-        self.scheduler.load_state_dict(sched_state)
-        self.state.parts.update(optimizer=self.optimizer, scheduler=self.scheduler)
+        opt_state, sched_state = trainer.optimizer.state_dict(), trainer.scheduler.state_dict()
+        shard(trainer.model, per_block=True)
+        c = trainer.config
+        trainer.optimizer = build_optimizer(trainer.model, lr=c.lr, momentum=c.momentum, nesterov=c.nesterov,
+                                            weight_decay=c.weight_decay, kind=c.optimizer)
+        trainer.scheduler = build_scheduler(trainer.optimizer, trainer.schedule)
+        trainer.optimizer.load_state_dict(_to_shards(opt_state, trainer.optimizer))  # lr and momentum as they were
+        trainer.scheduler.load_state_dict(sched_state)
+        trainer.state.parts.update(optimizer=trainer.optimizer, scheduler=trainer.scheduler)
 
     # -- the step and evaluation -----------------------------------------------------------------
 
-    def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        x, y = batch
-        total = x.shape[0]
-        x = x.tensor_split(self.world)[self.rank].to(self.device, non_blocking=True)
-        y = y.tensor_split(self.world)[self.rank].to(self.device, non_blocking=True)
-        self.wrapped.train(self.model.training)
-        with self._autocast():
-            output = self.wrapped(x)
-            loss = self.task.loss(output, y)
-        # DDP averages the N gradients; weighting each slice's mean by its share of the batch
-        # makes that average the gradient of the whole batch's mean loss.
-        scaled = loss * (x.shape[0] * self.world / total)
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        sums = self.task.batch_sums(output.detach(), y, loss.detach())
-        weighted = loss.detach().double().reshape(1) * x.shape[0]
-        sums, (loss_sum,) = self._all_sum(sums, [weighted])
-        return (loss_sum / total).to(loss.dtype).reshape(()), sums
+    def forward_backward(self, trainer: Trainer, batch: Batch, total: int, *,
+                         last: bool) -> tuple[torch.Tensor, dict[str, float]]:
+        assert self.wrapped is not None
+        x, y = trainer.on_device(tuple(t.tensor_split(self.world)[self.rank] for t in batch))  # type: ignore[arg-type]
+        self.wrapped.train(trainer.model.training)
+        # DDP and FSDP2 average the N gradients; weighting each slice's mean by N times its share
+        # of the step makes that average the gradient of the whole step's mean loss. Gradients
+        # are synchronised on the step's last micro-batch only.
+        if self.sharded:
+            self.wrapped.set_requires_gradient_sync(last)  # type: ignore[operator]
+            sync: Any = nullcontext()
+        else:
+            sync = nullcontext() if last else self.wrapped.no_sync()  # type: ignore[operator]
+        with sync:
+            share, sums = backward_share(trainer, self.wrapped, x, y, x.shape[0] * self.world / total)
+        return share / self.world, sums
 
-    def _eval_sums(self, batch: Batch) -> dict[str, float]:
+    def all_sum(self, sums: Mapping[str, float], loss: torch.Tensor) -> tuple[dict[str, float], float]:
+        summed, (value,) = self._all_sum(sums, [float(loss)])
+        return summed, value
+
+    def eval_sums(self, trainer: Trainer, batch: Batch) -> dict[str, float]:
         """This rank's slice of the test batch, its sums added over the ranks."""
         x, y = (t.tensor_split(self.world)[self.rank] for t in batch)
         empty = x.shape[0] == 0
         if empty:  # a sharded model needs every rank in every forward: run one sample, count none
             x, y = batch[0][:1], batch[1][:1]
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        with self._autocast():
-            output = self.model(x)
-        mine = self.task.batch_sums(output, y)
+        x, y = trainer.on_device((x, y))
+        with trainer.autocast():
+            output = trainer.model(x)
+        mine = trainer.task.batch_sums(output, y)
         if empty:
             mine = {k: 0.0 for k in mine}
         return self._all_sum(mine, [])[0]
 
-    def _all_sum(self, sums: Mapping[str, float], tensors: list[torch.Tensor]) -> tuple[dict[str, float], list[torch.Tensor]]:
-        """Sum the task's sums (the same keys on every rank) and 1-element tensors over the ranks."""
+    def agree_stop(self, signum: int | None) -> int | None:
+        flag = torch.tensor([signum or 0], dtype=torch.int64, device=self._collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag) or None
+
+    def _all_sum(self, sums: Mapping[str, float], values: list[float]) -> tuple[dict[str, float], list[float]]:
+        """Sum the task's sums (the same keys on every rank) and plain numbers over the ranks."""
         keys = sorted(sums)
-        flat = torch.tensor([float(sums[k]) for k in keys] + [float(t) for t in tensors], dtype=torch.float64,
+        flat = torch.tensor([float(sums[k]) for k in keys] + values, dtype=torch.float64,
                             device=self._collective_device())
         dist.all_reduce(flat)
-        values = flat.cpu().tolist()
-        return dict(zip(keys, values[: len(keys)])), [torch.tensor(v, dtype=torch.float64) for v in values[len(keys):]]
+        out = flat.cpu().tolist()
+        return dict(zip(keys, out[: len(keys)])), out[len(keys):]
 
     def _collective_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
     # -- files ---------------------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str | os.PathLike[str] | None = None) -> Path:
-        if self._phase == "step":
-            raise RuntimeError("cannot checkpoint in the middle of a training step")
-        state = self.state.capture(self.config)
+    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
         if self.sharded:  # gather the shards: the checkpoint has the single-process format
             state["model"] = {k: v.cpu() for k, v in full_state_dict(self.model).items()}
             state["optimizer"] = _full_optimizer_state(state["optimizer"])
-        bad = non_finite_entries(state["model"])
-        if bad:  # every rank sees the same weights, so every rank stops here
-            raise TrainingDivergedError(
-                f"the weights turned NaN or infinite by step {self.step} ({', '.join(bad[:3])}); no checkpoint "
-                f"was written, and {self._kept_checkpoint()}. Lower --lr (now {self.config.lr:g}) or "
-                "lengthen --warmup-epochs, then start again"
-            )
-        target = Path(path) if path is not None else self.checkpoint_path
-        if self.rank == 0:
-            save_checkpoint(state, target)
+        return state
+
+    def saved(self) -> None:
         dist.barrier()
-        return target
-
-    def _summarize(self) -> dict[str, Any]:
-        if self.rank != 0:
-            return {"rank": self.rank}
-        if self.sharded and self.config.memory_report:
-            self._log("note: no step memory report under --shard (it would run one process's step alone)")
-            self.config = replace(self.config, memory_report=False)
-        return super()._summarize()
-
-    def _discard_if_unsaved(self, *, say: bool) -> None:
-        if self.rank == 0:
-            super()._discard_if_unsaved(say=say)
-
-    def _bar_disabled(self) -> bool:
-        return self.rank != 0 or super()._bar_disabled()
-
-    def _log(self, message: str, *, err: bool = False) -> None:
-        if self.rank == 0:
-            super()._log(message, err=err)
-        elif err:
-            super()._log(f"[rank {self.rank}] {message}", err=True)
 
 
 def _full_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -259,44 +205,27 @@ def _to_shards(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[
 # -- launching ---------------------------------------------------------------------------------
 
 
-def launch_data_parallel(given: Mapping[str, Any], world: int, *, sharded: bool = False, backend: str = "auto",
-                         port: int = 0, timeout: float = 60.0, worker_output: Any = None) -> Path:
-    """Train the run of ``given`` (``revtrain train`` options) on ``world`` local processes.
+def prepare_data_parallel(given: Mapping[str, Any], world: int, *, backend: str = "auto") -> list[str]:
+    """Check what can be checked before any process starts; returns the options every rank adds.
 
-    Everything that can be checked is checked here, before any process starts: the options
-    and the run folder (:func:`~revtrain.train.resolve_run`: a folder holding another run, a
-    checkpoint that does not fit), the backend for the device, the rendezvous port.
-
-    Returns:
-        The run folder.
-
-    Raises:
-        StageFailedError: a process failed; the others were stopped (names the rank and the cause).
+    The options and the run folder (:func:`~revtrain.train.resolve_run`: a folder holding
+    another run, a checkpoint that does not fit), the backend for the device. The ranks get the
+    folder (and the checkpoint) resolved here, and ``--threads`` sharing the cores when not given.
     """
     _refuse_unsupported(given)
     run = resolve_run(dict(given))
-    device = resolve_device(run.config.device)
-    check_backend(backend, device)
-    if port:
-        check_port(port)
-    worker_given = {**given, "run_dir": str(run.run_dir),
-                    "threads": given.get("threads") or max(1, (os.cpu_count() or 1) // world)}
+    check_backend(backend, resolve_device(run.config.device))
+    extra = ["--run-dir", str(run.run_dir)]
     if run.checkpoint is not None:
-        worker_given["resume"] = str(run.checkpoint)
-    with tempfile.TemporaryDirectory(prefix="revtrain-dp-") as scratch:
-        config = Path(scratch) / "launch.json"
-        config.write_text(json.dumps({"given": worker_given, "world": world, "sharded": sharded,
-                                      "backend": backend, "timeout": timeout}, default=list))
-        procs = start_workers(["-m", "revtrain.parallel.replicas", "--worker-config", str(config)], world,
-                              port=port or free_port(), threads=worker_given["threads"],
-                              errors=Path(scratch) / "errors", output=worker_output)
-        watch(procs, Path(scratch) / "errors", role="rank", run="data-parallel run")
-    return run.run_dir
+        extra += ["--resume", str(run.checkpoint)]
+    if not given.get("threads"):
+        extra += ["--threads", str(max(1, (os.cpu_count() or 1) // world))]
+    return extra
 
 
 def run_data_parallel_rank(given: Mapping[str, Any], world: int | None = None, *, sharded: bool = False,
                            backend: str = "auto", timeout: float = 60.0) -> dict[str, Any]:
-    """What every process runs (started by :func:`launch_data_parallel` or torchrun): join the
+    """What every process runs (started by the local launcher or torchrun): join the
     group, resolve the run (rank 0 picks the folder and the checkpoint), train."""
     _refuse_unsupported(given)
     device = resolve_device(given.get("device", "auto"))
@@ -318,7 +247,7 @@ def run_data_parallel_rank(given: Mapping[str, Any], world: int | None = None, *
             mine.pop("resume", None)
         run = resolve_run(mine) if rank != 0 else run
         dist.barrier()
-        trainer = DataParallelTrainer(run, sharded=sharded)
+        trainer = Trainer(run, engine=DataParallelEngine(sharded=sharded))
         return trainer.fit()
     finally:
         if dist.is_initialized():
@@ -329,21 +258,3 @@ def _refuse_unsupported(given: Mapping[str, Any]) -> None:
     for name, fix in UNSUPPORTED.items():
         if given.get(name) not in (None, 0):
             raise PipelineConfigError(f"--{name} is not available with --data-parallel: {fix}")
-
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m revtrain.parallel.replicas")
-    parser.add_argument("--worker-config", required=True)
-    args = parser.parse_args(argv)
-    with reporting_to_launcher():
-        data = json.loads(Path(args.worker_config).read_text())
-        given = dict(data["given"])
-        if "milestones" in given:
-            given["milestones"] = tuple(given["milestones"])
-        run_data_parallel_rank(given, data["world"], sharded=data["sharded"], backend=data["backend"],
-                               timeout=data["timeout"])
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -39,11 +39,11 @@ from revtrain.parallel.pipeline import StageTicker
 from revtrain.parallel.simulator import Simulator
 from revtrain.parallel.timing import time_units
 from revtrain.parallel.units import model_units
-from revtrain.parallel.worker import StageWorker
-from revtrain.tasks import Task, task_for
+from revtrain.parallel.worker import StageWorker, plan_segments
+from revtrain.tasks import Task, add_sums, task_for
 from revtrain.train.optim import LRSchedule
 
-__all__ = ["train", "measured_split", "default_run_dir"]
+__all__ = ["train", "measured_split", "checked_split", "default_run_dir"]
 
 _COLLECTIVE_TIMEOUT_S = 1800.0
 
@@ -64,6 +64,22 @@ def measured_split(model: torch.nn.Module, num_stages: int, sample: torch.Tensor
     costs = time_units(units, sample, repeats=5, warmup=2)
     stages = split_model(model, num_stages, costs=([c.stage_cost for c in costs], [c.plain_s for c in costs]))
     return [s.num_blocks for s in stages]
+
+
+def checked_split(options: RunOptions, petra: PetraConfig) -> list[int] | list[str] | None:
+    """Check a multi-process run before any process starts: the backend for the device, the
+    split on the real model (a clear error now, not in a rank); measure a balanced split once,
+    with the threads a stage will have, so that every rank uses the same."""
+    device = _device(options)
+    check_backend(options.backend, device)
+    threads = torch.get_num_threads()
+    try:
+        s = _setup(options, petra, device, parse_split(options.split))  # sets the stage's threads
+    finally:
+        torch.set_num_threads(threads)
+    for stage in s.stages[:-1]:
+        plan_segments(stage, petra.input_buffer)  # refuses input_buffer="none" on a non-reversible stage
+    return [st.num_blocks for st in s.stages] if options.split is None else parse_split(options.split)
 
 
 @dataclass
@@ -163,50 +179,57 @@ def _train_rank(options: RunOptions, petra: PetraConfig, device: torch.device, s
     # measurement on rank 0, epoch reports, checkpoints) may legitimately take longer.
     rank, world = init_from_env(backend, max(options.timeout, _COLLECTIVE_TIMEOUT_S))
     try:
-        if world != options.stages:
+        stages, replicas = options.stages, options.replicas
+        if world != stages * replicas:
             raise PipelineConfigError(
-                f"{world} processes for {options.stages} stages: PETRA runs one process per stage; "
-                f"start {options.stages} processes or pass --stages {world}"
+                f"{world} processes for {stages} stages x {replicas} replicas: PETRA runs one process per stage "
+                f"and replica; start {stages * replicas} processes or pass --stages {world // replicas}"
             )
+        index, replica = divmod(rank, replicas)  # the (pp, dp) mesh, row-major: stage, then replica
+        group = _replica_group(device, stages, replicas)
         if split is None and options.balance == "time" and world > 1:
             split = _broadcast(rank, lambda: _split_on_rank0(options, petra, device))
         run_dir = Path(_broadcast(rank, lambda: str(options.run_dir or default_run_dir(options))))
         s = _setup(options, petra, device, split)
         sample = next(iter(s.test_loader))
         pipe = DistributedPipeline.for_rank(
-            s.stages, rank, config=petra, batch_size=options.batch_size, task=s.task,
+            s.stages, index, config=petra, batch_size=options.batch_size, task=s.task,
             sample=(sample[0].to(device, s.dtype), sample[1].to(device)), schedule=s.schedule,
-            device=device, timeout_s=options.timeout)
+            device=device, timeout_s=options.timeout, stage_ranks=[j * replicas + replica for j in range(stages)])
         worker, ticker, stage = pipe.worker, pipe.ticker, pipe.stage
+        worker.replica_group = group
         s.stages = [stage]  # this process keeps its own stage only; the rest of the model is freed
         start = _resume(run_dir, s, [worker]) if options.resume else 0
         if rank == 0:
             run_dir.mkdir(parents=True, exist_ok=True)
             _write_config(run_dir, options, petra)
-        train_sizes = [options.batch_size] * s.num_batches
+        train_sizes = [options.batch_size // replicas] * s.num_batches  # this replica's slice of each batch
         test_sizes = _sizes(s.test_loader)
         reports: list[dict[str, Any]] = []
         for epoch in range(start, options.epochs):
             s.train_loader.set_epoch(epoch)
-            data = itertools.islice(s.train_loader, s.num_batches) if rank == 0 else None
+            data = _slices(itertools.islice(s.train_loader, s.num_batches), replica, replicas) if stage.is_first else None
             dist.barrier()
             begin = time.perf_counter()
             pipe.train_epoch(epoch, data, train_sizes)
             seconds = time.perf_counter() - begin
             s.test_loader.set_epoch(0)
-            test = pipe.evaluate(s.task, s.test_loader if rank == 0 else None, test_sizes)
+            test = pipe.evaluate(s.task, s.test_loader if stage.is_first else None, test_sizes)  # every replica: all
             mine = _stage_report(ticker, worker.train_sums if stage.is_last else None, test if stage.is_last else None)
             mine["peak_rss_bytes"] = process_peak_rss_bytes()
             mine["epoch_seconds"] = seconds
-            reports = [None] * world  # type: ignore[list-item]
-            dist.all_gather_object(reports, mine)
-            seconds = max(r["epoch_seconds"] for r in reports)  # the slowest stage is the wall time
-            _save_stage(run_dir, worker, epoch + 1, s.train_loader)
+            gathered = [None] * world  # type: ignore[list-item]
+            dist.all_gather_object(gathered, mine)
+            reports = _per_stage(gathered, stages, replicas)
+            seconds = max(r["epoch_seconds"] for r in gathered)  # the slowest stage is the wall time
+            if replica == 0:  # the replicas of a stage hold the same state
+                _save_stage(run_dir, worker, epoch + 1, s.train_loader)
             dist.barrier()
             if rank == 0:
-                ckpt.write_manifest(run_dir / "checkpoints", epoch + 1, world)
+                ckpt.write_manifest(run_dir / "checkpoints", epoch + 1, stages)
             dist.barrier()
-            ckpt.prune(run_dir / "checkpoints", rank, epoch + 1)
+            if replica == 0:
+                ckpt.prune(run_dir / "checkpoints", index, epoch + 1)
             if rank == 0:
                 _report_epoch(run_dir, options, s, epoch, seconds, reports, log)
         summary = _finish(run_dir, options, petra, s, reports, log) if rank == 0 else {}
@@ -215,6 +238,38 @@ def _train_rank(options: RunOptions, petra: PetraConfig, device: torch.device, s
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _replica_group(device: torch.device, stages: int, replicas: int) -> Any:
+    """The process group of this rank's stage replicas on a 2-D ``(pp, dp)`` device mesh; None for one replica."""
+    if replicas == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (stages, replicas), mesh_dim_names=("pp", "dp"))
+    return mesh.get_group("dp")
+
+
+def _slices(batches: Any, replica: int, replicas: int) -> Any:
+    """This replica's equal slice of every batch."""
+    for x, y in batches:
+        yield x.tensor_split(replicas)[replica], y.tensor_split(replicas)[replica]
+
+
+def _per_stage(gathered: list[dict[str, Any]], stages: int, replicas: int) -> list[dict[str, Any]]:
+    """One report per stage from every rank's: the training sums added over the replicas."""
+    out = []
+    for j in range(stages):
+        group = gathered[j * replicas:(j + 1) * replicas]
+        report = dict(group[0])
+        if report["train_sums"] is not None:
+            sums: dict[str, float] = {}
+            for r in group:
+                add_sums(sums, r["train_sums"])
+            report["train_sums"] = sums
+        report["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in group)
+        out.append(report)
+    return out
 
 
 def _split_on_rank0(options: RunOptions, petra: PetraConfig, device: torch.device) -> list[int]:
@@ -315,7 +370,8 @@ def _finish(run_dir: Path, options: RunOptions, petra: PetraConfig, s: _Setup, r
                "stages": options.stages, "engine": options.engine, "epochs": options.epochs,
                "test": test, "memory": memory}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    log(f"done: {options.model} on {options.dataset}, PETRA with {options.stages} stages ({options.engine}); "
+    log(f"done: {options.model} on {options.dataset}, PETRA with {options.stages} stages"
+        f"{f' x {options.replicas} replicas' if options.replicas > 1 else ''} ({options.engine}); "
         f"test {s.task.format(test) if test else 'n/a'}")
     for m in memory:
         rss = f", peak RSS {format_bytes(m['peak_rss_bytes'])}" if m.get("peak_rss_bytes") else ""

@@ -149,6 +149,9 @@ class StageWorker:
         """Diagnostic: per backward, the largest relative rebuild error of a reversible segment."""
         self._forward_inputs: dict[int, list[Tensor]] = {}
         self._in_flight: set[int] = set()
+        self.replica_group: Any = None
+        """The process group of this stage's data-parallel replicas (J stages x N replicas):
+        their summed gradients are averaged over it before each update; None: one replica."""
 
     # -- what the engine needs to know ----------------------------------------------------------
 
@@ -318,6 +321,13 @@ class StageWorker:
 
     def _update(self, passes: int) -> None:
         with torch.no_grad():
+            if self.replica_group is not None:  # every replica updates at the same backward
+                import torch.distributed as dist
+
+                passes *= dist.get_world_size(self.replica_group)
+                for p in self.params:
+                    if p.grad is not None:
+                        dist.all_reduce(p.grad, group=self.replica_group)
             for p in self.params:
                 if p.grad is not None:
                     p.grad.div_(passes)

@@ -55,7 +55,9 @@ class TrainConfig:
     epochs: int = 10
     """Passes over the training set."""
     batch_size: int = 64
-    """Training examples per step."""
+    """Training examples per micro-batch (a step is --accumulation micro-batches)."""
+    accumulation: int = 1
+    """Micro-batches per optimizer step: their gradients are averaged (weighted by their samples) before each update, as one batch of accumulation x batch-size would give; batch-norm statistics update per micro-batch, the learning-rate schedule counts optimizer steps."""
     eval_batch_size: int | None = None
     """Test examples per evaluation batch (default: the training batch size)."""
     max_steps_per_epoch: int | None = None
@@ -138,6 +140,7 @@ class TrainConfig:
         _all_finite(self)
         _at_least(self, "epochs", 1)
         _at_least(self, "batch_size", 1)
+        _at_least(self, "accumulation", 1)
         _at_least(self, "checkpoint_every", 0)
         _at_least(self, "log_every", 1)
         _at_least(self, "num_workers", 0)

@@ -57,6 +57,7 @@ _FIXED_REASONS = {
     "image_size": "changing it mid-run would change the data the run trains on",
     "augment": "changing it mid-run would change the data the run trains on",
     "batch_size": "the data order and the schedule's position are counted in batches of that size",
+    "accumulation": "the schedule's position and the loader's are counted in steps of that many batches",
     "seed": "the data order and augmentation of the rest of the run come from that seed",
     "optimizer": "the checkpoint holds that optimizer's state",
     "context": "changing it mid-run would change the data the run trains on",
@@ -244,10 +245,11 @@ def _refuse_shrinking(config: TrainConfig, state: Mapping[str, Any], path: Path)
             f"--epochs {config.epochs} is below the {started} epoch(s) that {path} has already started; "
             f"pass --epochs {started} or more (or drop --epochs)"
         )
-    if config.max_steps_per_epoch is not None and next_batch > config.max_steps_per_epoch:
+    taken = -(-next_batch // config.accumulation)  # optimizer steps of this epoch
+    if config.max_steps_per_epoch is not None and taken > config.max_steps_per_epoch:
         raise ResumeConflictError(
-            f"--max-steps-per-epoch {config.max_steps_per_epoch} is below the {next_batch} steps that {path} "
-            f"has already taken in epoch {epoch + 1}; pass --max-steps-per-epoch {next_batch} or more "
+            f"--max-steps-per-epoch {config.max_steps_per_epoch} is below the {taken} steps that {path} "
+            f"has already taken in epoch {epoch + 1}; pass --max-steps-per-epoch {taken} or more "
             "(or drop it)"
         )
 

@@ -1,11 +1,17 @@
 """The Trainer: builds data, model, task and optimizer from a resolved run and runs ``fit()``.
 
-A step is two public seams (torchtitan's split): :meth:`Trainer.forward_backward` runs the
-model and the task's loss and backpropagates, returning the loss and the task's additive batch
-sums; :meth:`Trainer.optimizer_step` applies the update and advances the schedule.
-:meth:`Trainer.train_step` composes them; gradient accumulation or a stage-parallel engine
-replaces or reuses them without touching the loop. What is learnt (loss, metrics, their
-formatting, the example batch of the memory report) comes from a :class:`~revtrain.tasks.Task`.
+The Trainer owns the run (config, folder, epochs, evaluation, metrics, checkpoints,
+interrupts, resume, the memory report); an :class:`~revtrain.train.engine.Engine` owns how the
+gradients of one step are computed and how the processes of a run agree (one process:
+:class:`~revtrain.train.engine.LocalEngine`; DDP and FSDP2: :mod:`revtrain.parallel.replicas`).
+The loop never asks which engine it has.
+
+A step (:meth:`Trainer.train_step`) takes ``accumulation`` micro-batches: for each,
+:meth:`Trainer.forward_backward` runs the model and the task's loss and backpropagates the
+micro-batch's share of the step's mean loss (gradients accumulate); then
+:meth:`Trainer.optimizer_step` applies the update and advances the schedule, which counts
+optimizer steps. What is learnt (loss, metrics, their formatting, the example batch of the
+memory report) comes from a :class:`~revtrain.tasks.Task`.
 
 The loop follows :mod:`revtrain.data.loader`: the training loader knows its position, every
 other piece of state is in :class:`~revtrain.train.state.TrainingState`, and
@@ -44,6 +50,7 @@ from revtrain.train.build import build_model, fit_model_to_data, text_window
 from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
 from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.divergence import TrainingDivergedError, divergence_reason
+from revtrain.train.engine import Engine, LocalEngine
 from revtrain.train.environment import busy_cpu_note, resolve_device, seed_everything
 from revtrain.train.files import atomic_write_text
 from revtrain.train.interrupts import StopSignals, TrainingInterrupted
@@ -84,10 +91,13 @@ class Trainer:
         callbacks: Called as ``callback(trainer)`` after every optimizer step, when the
             trainer's state is consistent (a callback may read ``trainer.step``, save, or raise).
         out: Where log lines go (default: standard output).
+        engine: How a step happens (default: :class:`~revtrain.train.engine.LocalEngine`,
+            this process alone).
     """
 
     def __init__(self, run: TrainConfig | ResolvedRun, *, model: torch.nn.Module | None = None,
-                 callbacks: Sequence[Callback] = (), out: TextIO | None = None):
+                 callbacks: Sequence[Callback] = (), out: TextIO | None = None, engine: Engine | None = None):
+        self.engine: Engine = engine if engine is not None else LocalEngine()
         self.callbacks = list(callbacks)
         self.out = out if out is not None else sys.stdout
         run = run if isinstance(run, ResolvedRun) else resolve_run(run)
@@ -119,8 +129,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, lr=config.lr, momentum=config.momentum,
                                          nesterov=config.nesterov, weight_decay=config.weight_decay,
                                          kind=config.optimizer)
-        batches = len(self.train_loader)
-        self.steps_per_epoch = min(batches, config.max_steps_per_epoch or batches)
+        batches, k = len(self.train_loader), config.accumulation
+        self.batches_per_epoch = min(batches, (config.max_steps_per_epoch or batches) * k)
+        """Micro-batches read per epoch (``accumulation`` per optimizer step; the last step may have fewer)."""
+        self.steps_per_epoch = -(-self.batches_per_epoch // k)
         self.schedule = LRSchedule(
             total_steps=config.epochs * self.steps_per_epoch,
             warmup_steps=round(config.warmup_epochs * self.steps_per_epoch),
@@ -149,15 +161,17 @@ class Trainer:
         self._process_peak: tuple[int, str] = (0, "")
         self._steps_at_start = 0
         self.metrics: MetricsWriter | None = None
-        self.folder.open(log=self._log)
+        if self.engine.writes_files:
+            self.folder.open(log=self._log)
         try:
             self._open_run(run)
+            self.engine.attach(self)
         except BaseException:
             self._discard_if_unsaved(say=False)  # the user never saw this folder
             raise
 
     def _open_run(self, run: ResolvedRun) -> None:
-        if run.state is None and self.config.overwrite:  # --overwrite: the old run's files go first
+        if run.state is None and self.config.overwrite and self.engine.writes_files:  # --overwrite: the old run's files go first
             self.folder.replace_run(keep=(self.config.plan,) if self.config.plan else (), log=self._log)
         if run.state is not None:
             self.state.restore(run.state, run.checkpoint)  # restores the block modes the run had
@@ -170,6 +184,9 @@ class Trainer:
             self.plan = apply_memory_strategy(self.model, self.config, first_batch=self.first_batch,
                                               device=self.device, run_dir=self.run_dir, log=self._log,
                                               loss_fn=self.task.loss)
+        if not self.engine.writes_files:
+            self.metrics = _NoMetrics()
+            return
         atomic_write_text(self.run_dir / "config.json", json.dumps(self.config.to_dict(), indent=2) + "\n")
         resumed = run.state is not None
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None,
@@ -228,7 +245,7 @@ class Trainer:
             raise
 
     def _train_epoch(self) -> None:
-        epoch, limit = self.train_loader.epoch, self.steps_per_epoch
+        epoch, limit, k = self.train_loader.epoch, self.batches_per_epoch, self.config.accumulation
         if self.train_loader.next_batch >= limit:  # resumed with max_steps_per_epoch = the steps taken
             self.train_loader.set_epoch(epoch + 1)
             self.progress.pending_eval = epoch
@@ -236,21 +253,25 @@ class Trainer:
         self.model.train()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        bar = tqdm(total=limit, initial=self.train_loader.next_batch, unit="step", leave=False,
+        bar = tqdm(total=self.steps_per_epoch, initial=self.train_loader.next_batch // k, unit="step", leave=False,
                    desc=f"epoch {epoch + 1}/{self.config.epochs}", disable=self._bar_disabled(),
                    dynamic_ncols=True, file=sys.stderr)
         tick = time.perf_counter()
+        group: list[Batch] = []
         try:
             self._phase = "step"
             for batch in self.train_loader:
-                if self.grad_angles is not None and self.grad_angles.due(self.step + 1):
-                    self._measure_grad_angles(batch, epoch)
-                    tick = time.perf_counter()  # the monitor is not training time
-                loss, sums = self.train_step(batch)
-                now = time.perf_counter()
-                self._record_step(loss, sums, self.task.samples(batch[1]), now - tick)
-                tick = now
+                group.append(batch)
                 done = self.train_loader.next_batch >= limit
+                if len(group) < k and not done:
+                    continue
+                if self.grad_angles is not None and self.grad_angles.due(self.step + 1):
+                    self._measure_grad_angles(group[0], epoch)
+                    tick = time.perf_counter()  # the monitor is not training time
+                loss, sums = self.train_step(*group)
+                now = time.perf_counter()
+                self._record_step(loss, sums, sum(self.task.samples(b[1]) for b in group), now - tick)
+                tick, group = now, []
                 if done:  # mark the epoch finished before anything can save the state
                     self.train_loader.set_epoch(epoch + 1)
                     self.progress.pending_eval = epoch
@@ -265,33 +286,43 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step seam
 
-    def train_step(self, batch: Batch) -> tuple[float, dict[str, float]]:
-        """One optimizer step on one batch: returns its loss and the task's batch sums.
+    def train_step(self, *batches: Batch) -> tuple[float, dict[str, float]]:
+        """One optimizer step on ``accumulation`` micro-batches (their gradients averaged, each
+        weighted by its samples, as one batch of all of them): returns the step's mean loss and
+        the task's sums over every micro-batch and process.
 
         Raises:
             TrainingDivergedError: the loss diverged; the update was not applied.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        loss, sums = self.forward_backward(batch)
-        value = float(loss)
+        total = sum(len(b[1]) for b in batches)
+        loss: torch.Tensor | float = 0.0
+        sums: dict[str, float] = {}
+        for i, batch in enumerate(batches):
+            share, mine = self.forward_backward(batch, total=total, last=i == len(batches) - 1)
+            loss = loss + share
+            add_sums(sums, mine)
+        sums, value = self.engine.all_sum(sums, torch.as_tensor(loss))
         self._check_divergence(value)
         self.optimizer_step()
         return value, sums
 
-    def forward_backward(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def forward_backward(self, batch: Batch, *, total: int | None = None,
+                         last: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
         """Forward ``batch``, compute the task's loss and backpropagate (gradients accumulate).
 
+        Args:
+            batch: ``(inputs, targets)``.
+            total: Samples of the whole step this batch is part of (default: this batch's):
+                the batch backpropagates ``len(batch) / total`` of its mean loss.
+            last: The step's last micro-batch (an engine may synchronise gradients now).
+
         Returns:
-            The loss (detached) and the task's additive sums of this batch
-            (:meth:`~revtrain.tasks.Task.batch_sums`).
+            This batch's share of the step's loss (detached; the batch's mean loss when it is
+            the whole step) and the task's additive sums of the part of the batch this process
+            ran (:meth:`~revtrain.tasks.Task.batch_sums`).
         """
-        x, y = self._on_device(batch)
-        with self._autocast():
-            output = self.model(x)
-            loss = self.task.loss(output, y)
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        sums = self.task.batch_sums(output.detach(), y, loss.detach())
-        return loss.detach(), sums
+        return self.engine.forward_backward(self, batch, len(batch[1]) if total is None else total, last=last)
 
     def optimizer_step(self) -> None:
         """Apply the accumulated gradients, advance the learning-rate schedule and the step count."""
@@ -371,6 +402,11 @@ class Trainer:
             self.save_checkpoint()
         for callback in self.callbacks:
             callback(self)
+        self._check_stop()
+
+    def _check_stop(self) -> None:
+        """Stop here if any process of the run was asked to (every process then stops at this point)."""
+        self._stop.signum = self.engine.agree_stop(self._stop.signum)
         self._stop.check()
 
     def _finish_epoch(self) -> None:
@@ -410,17 +446,14 @@ class Trainer:
         try:
             for batch in self.test_loader:
                 add_sums(sums, self._eval_sums(batch))
-                self._stop.check()
+                self._check_stop()
         finally:
             self.model.train(was_training)
         return self.task.summarize(sums)
 
     def _eval_sums(self, batch: Batch) -> dict[str, float]:
         """The task's sums over one test batch (what :meth:`evaluate` adds up)."""
-        x, y = self._on_device(batch)
-        with self._autocast():
-            output = self.model(x)
-        return self.task.batch_sums(output, y)
+        return self.engine.eval_sums(self, batch)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -433,17 +466,21 @@ class Trainer:
         """
         if self._phase == "step":
             raise RuntimeError("cannot checkpoint in the middle of a training step")
-        bad = non_finite_entries(self.model.state_dict())
-        if bad:
+        state = self.engine.full_state(self.state.capture(self.config))
+        bad = non_finite_entries(state["model"])
+        if bad:  # every process sees the same weights, so every process stops here
             raise TrainingDivergedError(
                 f"the weights turned NaN or infinite by step {self.step} ({', '.join(bad[:3])}); no checkpoint "
                 f"was written, and {self._kept_checkpoint()}. Lower --lr (now {self.config.lr:g}) or "
                 "lengthen --warmup-epochs, then start again"
             )
-        saved = save_checkpoint(self.state.capture(self.config), path or self.checkpoint_path)
-        if path is None and self.retention is not None:
-            self.retention.after_save(saved, self.step, self.history)
-        return saved
+        target = Path(path) if path is not None else self.checkpoint_path
+        if self.engine.writes_files:
+            save_checkpoint(state, target)
+            if path is None and self.retention is not None:
+                self.retention.after_save(target, self.step, self.history)
+        self.engine.saved()
+        return target
 
     def _kept_checkpoint(self) -> str:
         if self.checkpoint_path.exists():
@@ -470,7 +507,7 @@ class Trainer:
         """A run that fails before its first checkpoint leaves nothing to resume: remove its files."""
         if self.metrics is not None:
             self.metrics.close()
-        if self.folder.discard() and say:
+        if self.engine.writes_files and self.folder.discard() and say:
             self._log(f"no checkpoint was saved, so the run folder {self.run_dir} was removed", err=True)
 
     # ------------------------------------------------------------------ modes and summary
@@ -482,6 +519,8 @@ class Trainer:
         return next(iter(probe))
 
     def _summarize(self) -> dict[str, Any]:
+        if not self.engine.writes_files:
+            return {}
         p, this = self.progress, self._this_process
         last = p.history[-1] if p.history else {}
         names = list(self.task.summarize({}))
@@ -510,7 +549,7 @@ class Trainer:
             f"({summary['samples_per_s'] or 0:.0f} samples/s training){resumed}",
             f"test {self.task.format(test)}" if last else "test: not evaluated yet",
         ]
-        if self.config.memory_report:
+        if self.config.memory_report and self.engine.measures_memory:
             batch = self.task.example_batch(self.input_spec, min(self.config.batch_size, self.data_info.train_size),
                                             seed=self.config.seed)
             report = measure_step_memory(self.model, batch, get_modes(self.model), self.device, self._autocast,
@@ -552,8 +591,8 @@ class Trainer:
             f"{'x'.join(map(str, info.input_shape))}), {self.device}"
             f"{f', amp {self.config.amp}' if self.config.amp else ''}"
             f"{f', compiled ({len(self.compiled)} modules)' if self.compiled else ''}{self._check_note(modes)}; "
-            f"{self.config.epochs} epochs x "
-            f"{self.steps_per_epoch} steps of {self.config.batch_size}; run folder {self.run_dir}"
+            f"{self.config.epochs} epochs x {self.steps_per_epoch} steps of {self._step_size()}{self._engine_note()}; "
+            f"run folder {self.run_dir}"
         )
 
     # ------------------------------------------------------------------ helpers
@@ -565,6 +604,22 @@ class Trainer:
         if every is None or every == 1 or "M" not in modes.values():
             return ""
         return ", rebuild check off" if every == 0 else f", rebuild check every {every} steps"
+
+    def _step_size(self) -> str:
+        k, b = self.config.accumulation, self.config.batch_size
+        return f"{b}" if k == 1 else f"{k} x {b} (accumulated)"
+
+    def _engine_note(self) -> str:
+        note = self.engine.describe()
+        return f", {note}" if note else ""
+
+    def autocast(self) -> AbstractContextManager[Any]:
+        """The run's autocast context (a no-op without ``amp``)."""
+        return self._autocast()
+
+    def on_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` moved to the run's device."""
+        return self._on_device(batch)
 
     def _autocast(self) -> AbstractContextManager[Any]:
         if self.config.amp is None:
@@ -578,7 +633,18 @@ class Trainer:
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _bar_disabled(self) -> bool:
-        return self.config.quiet or not sys.stderr.isatty()
+        return self.config.quiet or not sys.stderr.isatty() or not self.engine.writes_files
 
     def _log(self, message: str, *, err: bool = False) -> None:
-        tqdm.write(message, file=sys.stderr if err else self.out)
+        if self.engine.writes_files:  # one process speaks for the run; a failing one raises
+            tqdm.write(message, file=sys.stderr if err else self.out)
+
+
+class _NoMetrics:
+    """The metrics file of a process that does not write the run folder: it writes nothing."""
+
+    def write(self, event: str, **fields: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -6,9 +6,10 @@ Rank functions are module-level so that spawned processes can import them.
 from __future__ import annotations
 
 import copy
-import os
-import socket
+import shutil
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes
 from revtrain.models import create_model, example_batch
 from revtrain.parallel.config import PetraConfig
-from revtrain.parallel.distributed import DistributedPipeline
+from revtrain.parallel.distributed import DistributedPipeline, exit_rank
 from revtrain.parallel.partition import split_model
 from revtrain.parallel.simulator import Simulator
 from revtrain.tasks import Classification
@@ -175,34 +176,36 @@ def reference_two_stages(model: Toy, batches: list[tuple[Tensor, Tensor]], *, lr
 # -- multi-process harness -----------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_ranks(fn: Callable[..., None], world: int, *args: Any, timeout: float = 120.0) -> None:
     """Run ``fn(rank, world, *args)`` in ``world`` spawned processes joined in a gloo group."""
     import torch.multiprocessing as mp
 
-    port = free_port()
-    ctx = mp.start_processes(_entry, args=(fn, world, port, args), nprocs=world, join=False, start_method="spawn")
+    store = Path(tempfile.mkdtemp(prefix="revtrain-ranks-")) / "store"  # a file rendezvous: no port to race for
+    ctx = mp.start_processes(_entry, args=(fn, world, str(store), args), nprocs=world, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{fn.__name__} did not finish within {timeout} s")
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__} did not finish within {timeout} s")
+    finally:
+        shutil.rmtree(store.parent, ignore_errors=True)
 
 
-def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _entry(rank: int, fn: Callable[..., None], world: int, store: str, args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    code = 1
     try:
         fn(rank, world, *args)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
     finally:
-        dist.destroy_process_group()
+        exit_rank(code)  # never through interpreter finalization (see exit_rank)
 
 
 def pipeline_rank(rank: int, world: int, cases: list[tuple[str, int]], out_dir: str) -> None:
@@ -234,3 +237,24 @@ def pipeline_case(case: str, num_stages: int) -> tuple[nn.Module, list, PetraCon
     if case == "revnet":
         return small_revnet(), revnet_batches(5), PetraConfig(lr=0.05, accumulation=2), None
     raise ValueError(case)
+
+
+def hybrid_rank(rank: int, world: int, out_dir: str) -> None:
+    """J = 2 stages x N = 2 replicas on a (pp, dp) device mesh: each replica's pipeline takes half
+    of every batch of the toy case; the stage's replicas average their gradients before each update."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    num_stages, replicas = 2, world // 2
+    model, batches, config, split = pipeline_case("toy", num_stages)
+    index, replica = divmod(rank, replicas)
+    mesh = init_device_mesh("cpu", (num_stages, replicas), mesh_dim_names=("pp", "dp"))
+    stages = split_model(model, num_stages, split)
+    half = batches[0][0].shape[0] // replicas
+    pipe = DistributedPipeline.for_rank(stages, index, config=config, batch_size=batches[0][0].shape[0],
+                                        task=Classification(), sample=(batches[0][0][:half], batches[0][1][:half]),
+                                        stage_ranks=[j * replicas + replica for j in range(num_stages)])
+    pipe.worker.replica_group = mesh.get_group("dp")
+    mine = [(x.tensor_split(replicas)[replica], y.tensor_split(replicas)[replica]) for x, y in batches]
+    pipe.train_epoch(0, mine if index == 0 else None, [half] * len(batches))
+    torch.save({"units": pipe.stage.unit_state_dict(), "updates": pipe.worker.updates},
+               Path(out_dir) / f"hybrid-rank{rank}.pt")

@@ -64,3 +64,42 @@ def check_rank(rank: int, world: int, out_dir: str) -> None:
             checked.append(f"{wrapper}/{modes}")
             dist.barrier()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(checked))
+
+
+def accumulation_rank(rank: int, world: int, out_dir: str) -> None:
+    """The trainer with DDP and with FSDP2 engines: 4 micro-batches of 6, each split over the
+    ranks, then the same again (momentum); rank 0 compares every weight with one process taking
+    one batch of 24, in float64 (revvit_digits: layer norms, no batch statistics)."""
+    from revtrain.parallel.replicas import DataParallelEngine
+    from revtrain.train import TrainConfig, Trainer
+
+    torch.set_default_dtype(torch.float64)
+    options = dict(model="revvit_digits", batch_size=6, weight_decay=1e-3, device="cpu", quiet=True,
+                   memory_report=False, max_steps_per_epoch=3, epochs=1)
+    checked = []
+    for sharded in (False, True):
+        run = Path(out_dir, f"{'fsdp' if sharded else 'ddp'}")
+        trainer = Trainer(TrainConfig(**options, accumulation=4, run_dir=str(run)),
+                          engine=DataParallelEngine(sharded=sharded))
+        loader = iter(trainer.train_loader)
+        parts = [(x.double(), y) for x, y in (next(loader) for _ in range(4))]
+        losses = [trainer.train_step(*parts)[0] for _ in range(2)]
+        state = full_state_dict(trainer.model)
+        if rank == 0:
+            one = Trainer(TrainConfig(**options, run_dir=str(run) + "-one"))
+            whole = (torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
+            want = [one.train_step(whole)[0] for _ in range(2)]
+            assert losses == [pytest_approx(w) for w in want], (losses, want)
+            for name, value in one.model.state_dict().items():
+                torch.testing.assert_close(state[name], value, rtol=1e-10, atol=1e-13,
+                                           msg=lambda m, n=name: f"sharded={sharded} {n}: {m}")
+            checked.append("fsdp" if sharded else "ddp")
+        dist.barrier()
+    if rank == 0:
+        Path(out_dir, "accumulation.json").write_text(json.dumps(checked))
+
+
+def pytest_approx(value: float) -> object:
+    import pytest
+
+    return pytest.approx(value, rel=1e-12)

@@ -86,13 +86,15 @@ def test_data_parallel_and_sharded_runs_equal_one_process_and_resume_anywhere(tm
         (["--stages", "0"], "--stages must be an integer >= 1"),
         (["--stages", "40"], "blocks"),
         (["--stages", "2", "--split", "1,1"], "split"),
+        (["--stages", "2", "--split", "3,x"], "mixes counts and names"),
         (["--stages", "2", "--input-buffer", "none"], "input_buffer"),
-        (["--stages", "2", "--accumulation", "0"], "accumulation (k) must be an integer >= 1"),
+        (["--stages", "2", "--accumulation", "0"], "accumulation must be an integer >= 1"),
         (["--stages", "2", "--backend", "nccl"], "nccl"),
         (["--stages", "2", "--optimizer", "adamw"], "--optimizer: PETRA uses SGD"),
         (["--stages", "2", "--check-every", "4"], "--check-every: PETRA's rebuilds use moved parameters"),
-        (["--stages", "2", "--data-parallel", "2"], "not supported yet"),
-        (["--accumulation", "2"], "add --stages J"),
+        (["--stages", "2", "--data-parallel", "2", "--shard"], "drop --shard"),
+        (["--stages", "2", "--data-parallel", "2", "--engine", "simulator"], "drop --data-parallel"),
+        (["--stages", "2", "--data-parallel", "2", "--batch-size", "15"], "use a multiple of 2"),
         (["--shard"], "add --data-parallel N"),
         (["--data-parallel", "0"], "--data-parallel must be an integer >= 1"),
         (["--data-parallel", "2", "--budget", "1MiB"], "--budget is not available with --data-parallel"),
@@ -119,22 +121,26 @@ def test_a_port_in_use_is_refused(flag: str, tmp_path: Path, capsys: pytest.Capt
     assert f"port {port} is in use" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("flag", "who"), [("--stages", "stage 1 (rank 1"), ("--data-parallel", "rank 1 (pid")])
-def test_a_killed_worker_ends_a_cli_run_with_a_clear_message(flag: str, who: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("flags", "who"), [
+    (["--stages", "2", "--data-parallel", "2", "--balance", "count"], "rank 1 (stage 0, replica 1, pid"),
+    (["--data-parallel", "2"], "rank 1 (replica 1 of 2, pid"),
+])
+def test_a_killed_worker_ends_a_cli_run_with_a_clear_message(flags: list[str], who: str, tmp_path: Path) -> None:
+    """kill -9 of one rank of a 4-process hybrid (2 stages x 2 replicas) or a data-parallel run."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "revtrain.cli", "train", flag, "2", "--dataset", "synthetic", "--image-size", "8",
+    cmd = [sys.executable, "-m", "revtrain.cli", "train", *flags, "--dataset", "synthetic", "--image-size", "8",
            "--batch-size", "16", "--max-steps-per-epoch", "4", "--epochs", "1000", "--timeout", "30",
-           "--run-dir", str(run_dir), "--quiet"] + (["--balance", "count"] if flag == "--stages" else [])
+           "--run-dir", str(run_dir), "--quiet"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").exists():  # training is under way
+        deadline = time.monotonic() + 300  # starting 4 processes on a busy 2-core machine takes a while
+        while not (run_dir / "config.json").exists():  # every rank is up (rank 0 wrote the run's config)
             assert launcher.poll() is None, launcher.communicate()
             assert time.monotonic() < deadline, "the run did not start"
             time.sleep(0.2)
         ranks = _children(launcher.pid)
-        assert sorted(ranks) == [0, 1]
+        assert sorted(ranks) == list(range(4 if "--stages" in flags else 2))
         os.kill(ranks[1], signal.SIGKILL)
         killed = time.monotonic()
         _, err = launcher.communicate(timeout=60)
@@ -145,6 +151,59 @@ def test_a_killed_worker_ends_a_cli_run_with_a_clear_message(flag: str, who: str
     assert launcher.returncode == 1
     assert elapsed < 60
     assert who in err and "killed by SIGKILL" in err and "StageFailedError" in err, err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_signal_to_the_launcher_ends_every_rank_and_saves_a_checkpoint(sig: signal.Signals, tmp_path: Path) -> None:
+    """SIGTERM and one Ctrl-C (SIGINT) reach every rank once (the agent forwards them): the run
+    saves a checkpoint at one step on every rank and ends with 128 + the signal. ``kill -9`` of
+    the launcher ends every rank too (they get SIGTERM from the kernel): none is left running."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "revtrain.cli", "train", "--data-parallel", "2", "--dataset", "synthetic",
+           "--image-size", "8", "--batch-size", "16", "--eval-batch-size", "256", "--max-steps-per-epoch", "4",
+           "--epochs", "1000", "--run-dir", str(run_dir), "--quiet"]
+    launcher = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while '"event": "step"' not in _text(run_dir / "metrics.jsonl"):  # training is under way
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        ranks = _children(launcher.pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(launcher.pid, sig)
+        _, err = launcher.communicate(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in ranks.values()), "a rank outlived its launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    if sig == signal.SIGKILL:
+        return
+    assert launcher.returncode == 128 + sig, err
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    stop = [r for r in records if r["event"] == "interrupt"]
+    assert len(stop) == 1 and stop[0]["signal"] == sig.name, err
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert saved["progress"]["step"] == stop[0]["step"]
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def _children(pid: int) -> dict[int, int]:
@@ -164,3 +223,52 @@ def _children(pid: int) -> dict[int, int]:
             if item.startswith(b"RANK="):
                 found[int(item[5:])] = int(entry.name)
     return found
+
+
+def test_torchrun_without_a_parallel_option_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """N trainers in one folder would corrupt its metrics: the rank refuses before writing anything."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--epochs", "1", "--max-steps-per-epoch", "1", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "add --data-parallel 2" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+ENGINES = {"local": [], "data-parallel": ["--data-parallel", "2"], "petra": ["--stages", "2"]}
+REFUSALS = [
+    (["--lr", "inf"], "lr (--lr) must be a finite number"),
+    (["--weight-decay", "nan"], "weight_decay (--weight-decay) must be a finite number"),
+    (["--warmup-epochs", "-1"], "warmup_epochs must be >= 0"),
+    (["--eval-batch-size", "0"], "eval_batch_size must be an integer >= 1"),
+    (["--gamma", "5"], "gamma must be in (0, 1]"),
+    (["--milestones", "0.7", "0.3"], "milestones must be increasing"),
+    (["--image-size", "0"], "image_size must be an integer >= 1"),
+    (["--accumulation", "0"], "accumulation must be an integer >= 1"),
+]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_every_engine_refuses_the_same_bad_options_before_anything_runs(
+        engine: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    for argv, message in REFUSALS:
+        assert main(["train", *ENGINES[engine], *argv, "--run-dir", str(run_dir)]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err, (argv, err)
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("engine", "layout"), [*((e, "checkpoint.pt") for e in ENGINES),
+                                                 ("petra", "checkpoints/latest.json")])
+def test_every_engine_refuses_a_folder_holding_a_run(engine: str, layout: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder holding a single-process or data-parallel run (checkpoint.pt), or a PETRA run
+    (checkpoints/latest.json), is refused without --resume and left as it was."""
+    run_dir = tmp_path / "run"
+    (run_dir / layout).parent.mkdir(parents=True, exist_ok=True)
+    (run_dir / layout).write_text("{}")
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    assert main(["train", *ENGINES[engine], "--epochs", "1", "--run-dir", str(run_dir)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before

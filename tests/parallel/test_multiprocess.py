@@ -12,6 +12,7 @@ import torch
 from revtrain.parallel.partition import split_model
 from tests.parallel import data_parallel_cases
 from tests.parallel.cases import (
+    hybrid_rank,
     pipeline_case,
     pipeline_rank,
     reference_two_stages,
@@ -61,3 +62,28 @@ def test_data_parallel_and_sharded_gradients_equal_one_process(tmp_path: Path) -
     assert done == ["rank0.json", "rank1.json"]
     checked = json.loads((tmp_path / "rank0.json").read_text())
     assert len(checked) == 9  # 3 wrappers x 3 mode settings
+
+
+def test_accumulated_data_parallel_steps_equal_one_process_on_the_whole_batch(tmp_path: Path) -> None:
+    """--accumulation 4 under DDP and FSDP2 on 2 gloo processes: the trainer's step equals one
+    process on the 4 micro-batches joined (float64, two steps)."""
+    run_ranks(data_parallel_cases.accumulation_rank, 2, str(tmp_path))
+    assert json.loads((tmp_path / "accumulation.json").read_text()) == ["ddp", "fsdp"]
+
+
+def test_two_stages_by_two_replicas_equal_one_pipeline_on_the_whole_batch(tmp_path: Path) -> None:
+    """J = 2 x N = 2 on 4 gloo processes (the toy: no batch statistics, float64): every stage's
+    weights equal the simulator's single pipeline on the whole batches, and a stage's two
+    replicas hold the same weights bit for bit."""
+    run_ranks(hybrid_rank, 4, str(tmp_path))
+    model, batches, config, split = pipeline_case("toy", 2)
+    sim = run_simulator(model, 2, batches, config, split)
+    got = [torch.load(tmp_path / f"hybrid-rank{r}.pt", weights_only=False) for r in range(4)]
+    for rank, state in enumerate(got):
+        stage = rank // 2
+        assert state["updates"] == sim.workers[stage].updates == 3  # 5 batches, k = 2: 2 full and 1 partial
+        for unit, tensors in sim.stages[stage].unit_state_dict().items():
+            for key, value in tensors.items():
+                torch.testing.assert_close(state["units"][unit][key], value, rtol=1e-10, atol=1e-13,
+                                           msg=lambda m, u=unit, k=key: f"rank {rank} {u}.{k}: {m}")
+                assert torch.equal(state["units"][unit][key], got[rank ^ 1]["units"][unit][key])

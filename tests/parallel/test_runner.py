@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from revtrain.parallel import PetraConfig, RunOptions, launch, train
-from revtrain.parallel.__main__ import main
+from revtrain.parallel import PetraConfig, RunOptions, train
 from revtrain.parallel.errors import PipelineConfigError
+from revtrain.parallel.launch import check_port
+from revtrain.parallel.runner import checked_split
 
 
 def _options(run_dir: Path, **overrides: object) -> RunOptions:
@@ -65,26 +66,20 @@ def test_a_run_writes_metrics_checkpoints_and_memory_and_resumes_exactly(tmp_pat
 def test_bad_settings_fail_before_any_process_starts(tmp_path: Path) -> None:
     petra = PetraConfig()
     with pytest.raises(PipelineConfigError, match="10 stages for a model of 9 blocks"):
-        launch(_options(tmp_path / "a", stages=10, split=None, engine="processes"), petra)
+        checked_split(_options(tmp_path / "a", stages=10, split=None, engine="processes"), petra)
     with pytest.raises(PipelineConfigError, match="covers 5 blocks"):
-        launch(_options(tmp_path / "b", stages=2, split="2,3", engine="processes"), petra)
+        checked_split(_options(tmp_path / "b", stages=2, split="2,3", engine="processes"), petra)
     with pytest.raises(PipelineConfigError, match="'nccl' needs CUDA"):
-        launch(_options(tmp_path / "c", backend="nccl", engine="processes"), petra)
+        checked_split(_options(tmp_path / "c", backend="nccl", engine="processes"), petra)
+    assert checked_split(_options(tmp_path / "d", stages=2, split=None, balance="count"), petra) == [5, 4]
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(PipelineConfigError, match=f"port {port} is in use"):
-            launch(_options(tmp_path / "d", port=port, engine="processes"), petra)
+            check_port(port)
     assert not any((tmp_path / name).exists() for name in "abcd")  # nothing was started or written
     with pytest.raises(PipelineConfigError, match="stages must be an integer >= 1"):
         _options(tmp_path, stages=0)
     with pytest.raises(PipelineConfigError, match="resume needs --run-dir"):
         RunOptions(resume=True)
-
-
-def test_command_line_reports_bad_input_clearly(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--stages", "2", "--accumulation", "0"]) == 2
-    assert "accumulation (k) must be an integer >= 1" in capsys.readouterr().err
-    assert main(["--split", "3,x"]) == 2
-    assert "mixes counts and names" in capsys.readouterr().err
