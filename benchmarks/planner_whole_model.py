@@ -13,7 +13,7 @@ each budget it plans with every option (the new planner) and with Jiang et al.'s
 
 Each plan's peak is measured (its step memory, the budget's quantity), and the new plan's step is
 compared with the M/C-only plan's by paired ratios of the same rounds, with a 95% interval
-(:func:`revtrain.timing.median_interval`). Writes ``results/planner_whole_model_<device>.md`` and
+(:func:`revtrain.timing.median_interval`). Writes ``results/planner_<device>_whole_model.md`` and
 ``.json``::
 
     nice python benchmarks/planner_whole_model.py
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     device = args.device.split(":")[0]
-    out = args.out or ROOT / "results" / f"planner_whole_model_{device}"
+    out = args.out or ROOT / "results" / f"planner_{device}_whole_model"
     command = shlex.join([Path(sys.executable).name, *sys.argv]) if argv is None else shlex.join(argv)
     if os.getpriority(os.PRIO_PROCESS, 0) != 0:
         command = f"nice -n {os.getpriority(os.PRIO_PROCESS, 0)} {command}"

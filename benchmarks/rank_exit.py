@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--ending", nargs="+", default=["exit_rank", "normal"], choices=["exit_rank", "normal"])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "rank_exit")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "petra_cpu_rank_exit")
     args = parser.parse_args(argv)
     rows = {}
     for ending in args.ending:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from revtrain.bench import OURS, BenchOptions, installed_peers, run_suite
+from revtrain.core.checks import FIRST_CHECKS
 from revtrain.bench.suites import compile as compile_suite
 
 
@@ -23,7 +24,7 @@ def _run(name: str, tmp_path: Path, **options):
 
 
 def test_core(tmp_path: Path) -> None:
-    report = _run("core", tmp_path, shapes=("2x8x4x2",), repeats=3, warmup=0)
+    report = _run("core", tmp_path, shapes=("2x8x4x2",), repeats=3, warmup=FIRST_CHECKS)  # past the default check window
     methods = [*OURS, *installed_peers()]
     steps = report.table("steps").rows
     assert [r["method"] for r in steps] == methods

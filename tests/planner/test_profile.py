@@ -90,9 +90,32 @@ def test_resident_bytes_include_the_batch_and_the_caches_kept_between_steps():
     m = peak(model, batch, "M")
     assert m.resident_bytes == m.fixed_bytes - grads + batch_bytes  # no gradient is live at entry
     assert m.peak_bytes > m.resident_bytes
-    set_rebuild_checks(model, 1)  # the check keeps its projections between steps: they count
+    set_rebuild_checks(model, 1)  # the check keeps its sketches on the host: no tensor between steps
     checked = peak(model, batch, "M")
-    assert checked.resident_bytes > m.resident_bytes and checked.fixed_bytes == m.fixed_bytes
+    assert checked.resident_bytes == m.resident_bytes and checked.fixed_bytes == m.fixed_bytes
+
+
+class _CachingLinear(torch.nn.Linear):
+    """A layer that keeps a tensor between steps as a plain attribute (as a lookup table would)."""
+
+    def forward(self, x):
+        if "table" not in self.__dict__:
+            self.table = torch.ones(1000)  # float32: 4,000 bytes kept from the first step on
+        return super().forward(x) * self.table[0]
+
+
+def test_resident_bytes_count_a_tensor_a_layer_keeps_between_steps():
+    model, batch = tiny_model(), tiny_batch()
+    set_rebuild_checks(model, 0)
+    before = peak(model, batch, "M")
+    head = next(name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear))
+    plain = model.get_submodule(head)
+    caching = _CachingLinear(plain.in_features, plain.out_features)
+    caching.load_state_dict(plain.state_dict())
+    parent, _, leaf = head.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, caching)
+    after = peak(model, batch, "M")
+    assert after.resident_bytes == before.resident_bytes + 1000 * 4
 
 
 def test_profile_round_trips_through_json(tiny_profiled, tmp_path):
