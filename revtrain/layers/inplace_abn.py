@@ -73,9 +73,11 @@ class InPlaceABN(Invertible):
             or rebuild the input and run the forward once more under autograd (False; slower,
             kept to compare).
         mode: ``"M"`` or ``"C"``; settable any time via ``layer.mode``.
-        check_reconstruction: Compare a fingerprint (norm and random projections) of the input
-            seen in the forward with that of the rebuilt one in backward (see ``docs/core.md``).
-        drift_tolerance: Relative difference allowed by that check.
+        check_reconstruction: Compare a sketch (norm and random projections) of the input seen
+            in the forward with that of the rebuilt one in backward, on the steps the check
+            samples (see ``docs/core.md``).
+        drift_tolerance: Relative difference allowed by that check (default: by the precision
+            the layer computes in, as for every reversible layer).
         drift_action: ``"warn"`` or ``"raise"`` when it is exceeded.
     """
 
@@ -90,7 +92,7 @@ class InPlaceABN(Invertible):
         closed_form_backward: bool = True,
         mode: Mode = "M",
         check_reconstruction: bool = True,
-        drift_tolerance: float = 1e-3,
+        drift_tolerance: float | None = None,
         drift_action: Literal["warn", "raise"] = "warn",
     ) -> None:
         super().__init__(

@@ -100,7 +100,7 @@ class TrainConfig:
     plan: str | None = None
     """Path of a plan.json from `revtrain plan`: apply its per-block modes."""
     check_every: int | None = None
-    """Check M-mode rebuilds against the forward on one step in this many (1: every step; 0: never, the fastest: a drifting rebuild then shows only in the loss); default: as the model's layers were built (the zoo's: every step)."""
+    """Check M-mode rebuilds against the forward on one step in this many (1: every step; 0: never, the fastest: a drifting rebuild then shows only in the loss); default: as the model's layers were built (the zoo's: the first 5 steps, then one in 50)."""
 
     # --- machine
     device: str = "auto"

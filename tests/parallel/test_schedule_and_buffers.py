@@ -109,7 +109,7 @@ def test_dropout_replays_exactly() -> None:
     assert worker.random and len(worker.reconstruction_errors) == 6
     assert max(worker.reconstruction_errors) < 1e-12
     # Without the stash the parameters moved between forward and backward: PETRA's approximate
-    # rebuild (the quantity benchmarks/petra_accuracy.py tracks over training).
+    # rebuild (the quantity `revtrain bench petra` tracks over training).
     torch.manual_seed(0)
     sim = run_simulator(Toy(blocks=4, dropout=0.5).double(), 2, toy_batches(6),
                         PetraConfig(lr=0.1, track_reconstruction=True), split=[2, 2])
