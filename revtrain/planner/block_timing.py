@@ -31,6 +31,8 @@ import torch
 from torch import Tensor
 
 from revtrain.core import Invertible, reversible_blocks
+from revtrain.device import synchronize
+from revtrain.planner.recompute import tensors_in
 from revtrain.planner.setup import MeasurementSetup, call_model
 from revtrain.timing import iqr, median_interval, median_is_stable, timer
 
@@ -128,21 +130,7 @@ def time_blocks(
 
     def run(layer: Invertible, args: tuple, kwargs: dict, mode: str) -> tuple[float, float]:
         layer.mode = mode
-        inputs = _fresh_arguments(args)
-        with torch.enable_grad():
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            stop = start()
-            out = layer.forward(*inputs, **kwargs)  # not __call__: that would re-enter this pre-hook
-            t_fwd = stop()
-            outs = [t for t in _tensors(out) if t.requires_grad]
-            grads = [torch.ones_like(t) for t in outs]
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            stop = start()
-            torch.autograd.backward(outs, grads)
-            t_bwd = stop()
-        return t_fwd, t_bwd
+        return time_forward_backward(layer.forward, args, kwargs, dev, start)
 
     def pair(layer: Invertible, args: tuple, kwargs: dict, k: int) -> tuple[float, float, float, float]:
         if k % 2 == 0:
@@ -202,10 +190,22 @@ def _fresh_arguments(args: Any) -> Any:
     return args
 
 
-def _tensors(value: Any) -> list[Tensor]:
-    """Every tensor in a layer's output: a tensor, or tuples and lists of them."""
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+def time_forward_backward(forward: Callable[..., Any], args: tuple, kwargs: dict, dev: torch.device,
+                          start: Callable[[], Callable[[], float]]) -> tuple[float, float]:
+    """Seconds of ``forward`` on fresh copies of ``args`` (see :func:`_fresh_arguments`) and of the
+    backward of a gradient of ones on every output that requires grad. Pass a module's
+    ``forward``, not the module: from inside its forward pre-hook, ``__call__`` would re-enter it."""
+    inputs = _fresh_arguments(args)
+    with torch.enable_grad():
+        synchronize(dev)
+        stop = start()
+        out = forward(*inputs, **kwargs)
+        t_fwd = stop()
+        outs = [t for t in tensors_in(out) if t.requires_grad]
+        grads = [torch.ones_like(t) for t in outs]
+        synchronize(dev)
+        stop = start()
+        if outs:
+            torch.autograd.backward(outs, grads)
+        t_bwd = stop()
+    return t_fwd, t_bwd

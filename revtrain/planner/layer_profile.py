@@ -31,7 +31,7 @@ import torch
 
 from revtrain.core import set_modes
 from revtrain.memory import track_peak_memory
-from revtrain.planner.block_timing import TimingRule, _fresh_arguments, _tensors
+from revtrain.planner.block_timing import TimingRule, time_forward_backward
 from revtrain.planner.data import LayerProfile
 from revtrain.planner.measure import measure_steps
 from revtrain.planner.recompute import plain_layers, set_layer_options
@@ -131,22 +131,7 @@ def _time_layers(
 
     def run(name: str, module: torch.nn.Module, args: tuple, kwargs: dict, option: str) -> tuple[float, float]:
         set_layer_options(model, {name: option})
-        inputs = _fresh_arguments(args)
-        with torch.enable_grad():
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            stop = start()
-            out = module.forward(*inputs, **kwargs)  # not __call__: that would re-enter the pre-hook
-            t_fwd = stop()
-            outs = [t for t in _tensors(out) if t.requires_grad]
-            grads = [torch.ones_like(t) for t in outs]
-            stop = start()
-            if outs:
-                torch.autograd.backward(outs, grads)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t_bwd = stop()
-        return t_fwd, t_bwd
+        return time_forward_backward(module.forward, args, kwargs, dev, start)
 
     def pre(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         name = by_id.get(id(module))

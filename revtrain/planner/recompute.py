@@ -116,7 +116,7 @@ class _Wrapped:
                 forward, *args, use_reentrant=False, preserve_rng_state=True,
                 context_fn=lambda: (nullcontext(), _buffers_put_back(self.module)), **kwargs,
             )
-        pin = any(t.is_cuda for t in _tensors((args, kwargs)))
+        pin = any(t.is_cuda for t in tensors_in((args, kwargs)))
         with torch.autograd.graph.save_on_cpu(pin_memory=pin and torch.cuda.is_available()):
             return forward(*args, **kwargs)
 
@@ -165,12 +165,13 @@ def _holds_invertible(model: nn.Module) -> dict[int, bool]:
     return holds
 
 
-def _tensors(value: Any) -> list[Tensor]:
+def tensors_in(value: Any) -> list[Tensor]:
+    """Every tensor in a layer's arguments or output: a tensor, or tuples, lists and dicts of them."""
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_in(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value.values() for t in tensors_in(v)]
     return []
 
