@@ -1,4 +1,5 @@
-"""The planner: choose per reversible block between M-mode (memory) and C-mode (speed).
+"""The planner: choose per layer what backward keeps: M-mode (rebuild) or C-mode (keep) per
+reversible block, keep or recompute (on CUDA also offload) per other layer.
 
 The paper's four stages (Jiang et al. 2021, §3.3), one file each:
 
