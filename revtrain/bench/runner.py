@@ -32,6 +32,7 @@ from types import ModuleType
 import torch
 
 from revtrain.bench.machine import BUSY_LOAD_PER_CORE, machine_info
+from revtrain.core.checks import FIRST_CHECKS
 from revtrain.bench.report import Report, write_report
 from revtrain.device import resolve_device
 
@@ -68,7 +69,9 @@ class BenchOptions:
     repeats: int | None = None
     """Timed rounds per measurement; default the suite's."""
     warmup: int | None = None
-    """Untimed steps before timing; default the suite's."""
+    """Untimed steps before timing; default past the rebuild check's first calls
+    (:data:`~revtrain.core.checks.FIRST_CHECKS`), so that M-mode is timed on the default
+    schedule's steady state (one checked step in ``DEFAULT_EVERY``); 1 with ``--quick``."""
     threads: int | None = None
     """CPU threads during the run (torch.set_num_threads); default torch's."""
     quick: bool = False
@@ -78,6 +81,12 @@ class BenchOptions:
     """Path of the report without suffix; default results/<suite>_<device> (results/tmp/... with --quick)."""
     json: bool = False
     """Also write <out>.json (header and every row)."""
+
+    def warmup_steps(self) -> int:
+        """``warmup`` when given, else 1 with ``--quick``, else ``FIRST_CHECKS + 1``."""
+        if self.warmup is not None:
+            return self.warmup
+        return 1 if self.quick else FIRST_CHECKS + 1
 
     def pick(self, full: int, quick: int) -> int:
         """``repeats`` when given, else ``quick`` or ``full`` by ``self.quick``."""

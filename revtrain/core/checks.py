@@ -34,7 +34,9 @@ FLOOR = 0.1  # a half's error is measured against at least this fraction of the 
 FIRST_CHECKS = 5  # the default schedule checks a layer's first calls ...
 DEFAULT_EVERY = 50  # ... then one call in this many
 TOLERANCES = {torch.float64: 1e-3, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 1e-1}
-"""Default relative rebuild error allowed, by the precision ``F`` and ``G`` compute in."""
+"""Default relative rebuild error allowed, by the precision ``F`` and ``G`` compute in; float32
+on CUDA with TF32 allowed (PyTorch's default for convolutions) gets float16's, since TF32 keeps
+float16's 10 mantissa bits."""
 
 _SIDE = 8  # the sketch is _SIDE x _SIDE
 _SEED = 0x5EED
@@ -57,11 +59,14 @@ def check_due(layer: Any) -> bool:
     return calls % every == 0
 
 
-def tolerance_of(layer: Any, compute_dtype: torch.dtype) -> float:
-    """The layer's ``drift_tolerance``, or the default for ``compute_dtype`` where it is None."""
+def tolerance_of(layer: Any, compute_dtype: torch.dtype, *, tf32: bool = False) -> float:
+    """The layer's ``drift_tolerance``, or the default for ``compute_dtype`` where it is None
+    (float16's for float32 when ``tf32``: CUDA tensors with a TF32 switch on)."""
     tolerance = getattr(layer, "drift_tolerance", None)
     if tolerance is not None:
         return float(tolerance)
+    if tf32 and compute_dtype == torch.float32:
+        return TOLERANCES[torch.float16]
     return TOLERANCES.get(compute_dtype, TOLERANCES[torch.float32])
 
 
@@ -133,6 +138,7 @@ class RunCheck:
         k = len(checked)
         errors: list[float] = []
         over: list[tuple[float, int, str, float]] = []
+        tf32 = self.cuda and any(flag for _, flag in _tf32_flags())
         for j, i in enumerate(checked):
             before, after, outputs = shaped[j], shaped[k + j], shaped[2 * k + j]
             if not torch.isfinite(before).all():
@@ -151,7 +157,7 @@ class RunCheck:
                                 torch.where(error > 0, math.inf, 0.0))
             worst = int(drift.argmax())
             errors.append(float(drift[worst]))
-            tolerance = tolerance_of(layers[i], self.compute_dtype)
+            tolerance = tolerance_of(layers[i], self.compute_dtype, tf32=tf32)
             if errors[-1] > tolerance:
                 over.append((errors[-1], i, name(worst), tolerance))
         if over:

@@ -50,30 +50,30 @@ def set_modes(model: nn.Module, modes: str | Mapping[str, str]) -> dict[str, Mod
     return get_modes(model)
 
 
-def set_rebuild_checks(model: nn.Module, every: int) -> int:
+def set_rebuild_checks(model: nn.Module, every: int | None) -> int:
     """Check the M-mode rebuilds of every reversible layer of ``model`` on one forward in ``every``.
 
     ``every=1`` checks every rebuild, ``every=k`` one forward in ``k`` (see ``check_every`` of
-    :class:`~revtrain.core.Invertible`; the layers' default samples the first few calls, then one
-    in ``revtrain.core.checks.DEFAULT_EVERY``), and ``every=0`` never: a rebuild that drifts or
-    turns non-finite then goes unnoticed until the loss shows it.
+    :class:`~revtrain.core.Invertible`), ``every=0`` never: a rebuild that drifts or turns
+    non-finite then goes unnoticed until the loss shows it. ``every=None`` restores the layers'
+    default: the first few calls, then one in ``revtrain.core.checks.DEFAULT_EVERY``.
 
-    Returns the number of layers set. Raises ``ValueError`` for anything but an integer >= 0,
-    before changing anything.
+    Returns the number of layers set. Raises ``ValueError`` for anything but None or an integer
+    >= 0, before changing anything.
     """
     try:
-        count = operator.index(every)  # ints, numpy ints; not floats or strings
+        count = -1 if every is None else operator.index(every)  # ints, numpy ints; not floats or strings
     except TypeError:
-        count = -1
-    if isinstance(every, bool) or count < 0:
+        count = -2
+    if isinstance(every, bool) or count < -1 or (count == -1 and every is not None):
         raise ValueError(
-            f"the rebuild check interval must be an integer >= 0 (1: check every M-mode step, k: one "
-            f"step in k, 0: never), got {every!r}"
+            f"the rebuild check interval must be None (the default schedule) or an integer >= 0 (1: check "
+            f"every M-mode step, k: one step in k, 0: never), got {every!r}"
         )
     layers = [layer for _, layer in reversible_blocks(model)]
     for layer in layers:
-        layer.check_reconstruction = count > 0
-        layer.check_every = max(count, 1)
+        layer.check_reconstruction = every is None or count > 0
+        layer.check_every = None if every is None else max(count, 1)
     return len(layers)
 
 

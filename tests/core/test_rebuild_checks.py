@@ -543,3 +543,47 @@ def test_a_healthy_bf16_autocast_run_warns_of_no_drift():
     assert tolerance_of(block, torch.bfloat16) == TOLERANCES[torch.bfloat16] > tolerance_of(block, torch.float32)
     block.drift_tolerance = 0.5
     assert tolerance_of(block, torch.bfloat16) == 0.5
+
+
+@pytest.mark.parametrize("tf32_on", [True, False])
+def test_tf32_on_cuda_gets_float16s_tolerance(monkeypatch, tf32_on):
+    """TF32 keeps float16's 10 mantissa bits, and PyTorch allows it for CUDA convolutions by
+    default: a float32 run on CUDA with a TF32 switch on is judged by float16's tolerance, so a
+    rebuild error of 5e-3 (TF32's order) warns only where TF32 is off (or on the CPU)."""
+    import revtrain.core.checks as checks
+
+    monkeypatch.setattr(checks, "_tf32_flags", lambda: [("torch.backends.cudnn.allow_tf32", tf32_on)])
+    block = ReversibleBlock(nn.Tanh(), nn.Tanh())
+    assert checks.tolerance_of(block, torch.float32, tf32=True) == checks.TOLERANCES[torch.float16]
+    assert checks.tolerance_of(block, torch.float64, tf32=True) == checks.TOLERANCES[torch.float64]
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 64), torch.randn(4, 64)]
+    ys = [torch.randn(4, 64), torch.randn(4, 64)]
+    check = RunCheck([True], torch.float32)
+    check.forward(0, xs, ys)
+    check.cuda = True  # as if the tensors lived on a GPU
+    check.rebuilt(0, [x * (1 + 5e-3) for x in xs])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        errors = check.finish([block], lambda i: f"block {i}")
+    assert 4e-3 < errors[0] < 6e-3
+    drift = [w for w in caught if issubclass(w.category, ReconstructionDriftWarning)]
+    assert len(drift) == (0 if tf32_on else 1)
+
+
+def test_set_rebuild_checks_none_restores_the_default_schedule():
+    """After ``every=1`` (or 0), ``None`` puts every layer back on the default schedule: the
+    first FIRST_CHECKS calls, then one in DEFAULT_EVERY; anything but None or an int >= 0 is refused."""
+    from revtrain.core import set_rebuild_checks
+    from revtrain.core.checks import DEFAULT_EVERY, FIRST_CHECKS, check_due
+
+    model = _drifting_model()
+    set_rebuild_checks(model, 0)
+    assert set_rebuild_checks(model, None) == 3
+    layers = [m for m in model.modules() if isinstance(m, ReversibleBlock)]
+    assert all(b.check_reconstruction and b.check_every is None for b in layers)
+    due = [check_due(layers[0]) for _ in range(FIRST_CHECKS + DEFAULT_EVERY)]
+    assert due == [True] * FIRST_CHECKS + [False] * (DEFAULT_EVERY - 1) + [True]
+    for bad in (-1, 1.5, "1", True):
+        with pytest.raises(ValueError, match="None .*or an integer >= 0"):
+            set_rebuild_checks(model, bad)

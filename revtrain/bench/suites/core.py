@@ -40,7 +40,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(OURS + PEERS + EXTRA_METHODS)}")
     methods = [*OURS, *installed_peers(), *(m for m in options.methods if m not in OURS + PEERS)]
     repeats = options.pick(11, 6)
-    warmup = options.warmup if options.warmup is not None else 1 if options.quick else 2
+    warmup = options.warmup_steps()
     block = 4 if "M-check4" in methods else 1
     if repeats < 2 * block:
         raise ValueError(f"--repeats must be at least {2 * block} here (ratios are paired over blocks of {block} rounds)")

@@ -256,7 +256,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
         depths=(2,) if quick else (2, 4, 8, 16, 24), depth_seq_len=16 if quick else 512, batch=2 if quick else 4,
         seq_lens=tuple(int(s) for s in options.shapes) or ((16, 32) if quick else (256, 512, 1024, 2048)),
         seq_depth=2 if quick else 4, seq_batch=2, repeats=options.pick(3, 2),
-        warmup=options.warmup if options.warmup is not None else 1,
+        warmup=options.warmup_steps(),
         methods=list(METHODS),
     )
     anchor_cls, anchor_note = _reformer_sequence()

@@ -93,7 +93,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
             ((QUICK_CASES if options.quick else CASES).get(name) or ((model_info(name).inputs.shape, 8),))
         cases += [(name, shape, batch) for shape, batch in shapes]
     repeats = options.pick(7, 2)
-    warmup = options.warmup if options.warmup is not None else 1 if options.quick else 2
+    warmup = options.warmup_steps()
     phase_rounds = 2 if options.quick else 10
     steps, phases = [], []
     for name, shape, batch in cases:
@@ -151,7 +151,7 @@ def measure_case(name: str, shape: tuple[int, ...], batch: int, device: torch.de
         modes = measure_steps(setup, {"M": "M", "C": "C"})
         set_rebuild_checks(model, 0)
         unchecked = measure_steps(setup, {"M": "M", "C": "C"})
-        set_rebuild_checks(model, 1)
+        set_rebuild_checks(model, None)
         if any(isinstance(m, ReversibleSequence) for m in model.modules()):
             split = phase_times(setup, phase_rounds)
     twin_name = twin_of(name)
@@ -185,8 +185,8 @@ def _paired(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-PHASE_SETTINGS = (("C", "C", 1), ("M", "M", 1), ("M, no check", "M", 0))
-"""The phase split's settings: name, mode, rebuild check interval."""
+PHASE_SETTINGS = (("C", "C", None), ("M", "M", None), ("M, no check", "M", 0))
+"""The phase split's settings: name, mode, rebuild check interval (None: the default schedule)."""
 
 
 def phase_times(setup, rounds: int) -> dict[str, dict[str, float]]:
@@ -215,7 +215,7 @@ def phase_times(setup, rounds: int) -> dict[str, dict[str, float]]:
     for m in sequences:
         if id(m) not in inner:
             handles += [m.register_forward_pre_hook(before), m.register_forward_hook(after)]
-    settings = (*PHASE_SETTINGS, ("C, no graph", "C", 1))
+    settings = (*PHASE_SETTINGS, ("C, no graph", "C", None))
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name, _, _ in settings}
     setup.reset()
     model.train()
@@ -243,7 +243,7 @@ def phase_times(setup, rounds: int) -> dict[str, dict[str, float]]:
     finally:
         for h in handles:
             h.remove()
-        set_rebuild_checks(model, 1)
+        set_rebuild_checks(model, None)
         setup.reset()
     return {name: {key: statistics.median(t[k] for t in parts) for k, key in enumerate(("forward_s", "backward_s", "blocks_s"))}
             for name, parts in times.items()}
