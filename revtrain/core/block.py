@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -68,8 +68,7 @@ class _CouplingRecord:
     rng_g: RngState | None
 
 
-@dataclass(frozen=True)
-class _Roles:
+class _Roles(NamedTuple):  # a tuple: built twice per block call
     """Who plays ``F`` and ``G`` with which coupling: the block itself, or its inverse (whose
     "F" is the block's ``G`` and whose coupling is the block's coupling inverted)."""
 
@@ -150,7 +149,8 @@ class ReversibleBlock(Invertible):
 
     @property
     def roles(self) -> _Roles:
-        return _Roles(self.f, self.g, "F", "G", self.coupling)
+        m = self._modules  # not nn.Module.__getattr__: read twice per block call
+        return _Roles(m["f"], m["g"], "F", "G", self.coupling)
 
     @property
     def inverse_roles(self) -> _Roles:
@@ -309,11 +309,13 @@ def _couple_forward(
     rng_g = RngState.capture(x1.device) if rng else None
     y2 = coupling.forward(x2, block.checked_call(roles.g, roles.g_name, y1, x2, extra))
     if rng_f is not None and rng_g is not None:
-        # Replay only what drew random numbers: 5% of a small M-mode step went to replaying
-        # generators for F and G without randomness.
-        g_drew = not rng_g.same_as(RngState.capture(x1.device))
-        rng_f = None if rng_f.same_as(rng_g) else rng_f
-        rng_g = rng_g if g_drew else None
+        # Replay only what drew random numbers (a replay costs more than these comparisons);
+        # one comparison where neither drew.
+        after = RngState.capture(x1.device)
+        if rng_f.same_as(after):
+            rng_f = rng_g = None
+        else:
+            rng_f, rng_g = (None if rng_f.same_as(rng_g) else rng_f), (None if rng_g.same_as(after) else rng_g)
     if type(coupling).check_range is not Coupling.check_range:  # skip describe() where a no-op
         coupling.check_range((y1, y2), block.describe())
     return (y1, y2), _CouplingRecord(rng_f, rng_g)
@@ -371,8 +373,7 @@ def _rebuild_half(
     inp = inp.detach().requires_grad_(input_grad and graph)
     with replay(rng), torch.set_grad_enabled(graph):
         h = extra.call(fn, inp)
-    with torch.no_grad():
-        x = coupling.inverse(out, _detached(h))
+    x = coupling.inverse(out.detach(), _detached(h))  # detached inputs: no graph, no no_grad()
     return inp, h, (x.detach() if x.requires_grad else x)
 
 

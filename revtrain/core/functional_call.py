@@ -1,0 +1,58 @@
+"""The ``functional_call`` hook: M-mode rebuilds with the tensors its forward ran with.
+
+``torch.func.functional_call`` (meta-learning, ensembling) swaps substitute parameters and
+buffers into the modules for the forward only, so a rebuild in backward would otherwise run with
+the modules' own tensors. The forward records what every submodule held
+(:meth:`ModuleTensors.capture`); the backward puts those tensors back for the rebuild
+(:meth:`ModuleTensors.in_place`, a no-op when nothing was swapped) and restores what it found.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["ModuleTensors", "submodules"]
+
+
+def submodules(module: nn.Module) -> list[nn.Module]:
+    """``list(module.modules())`` (same order, each once) without its generators: a run calls
+    it on every layer in every M-mode forward."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+            stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return out
+
+
+@dataclass(frozen=True)
+class ModuleTensors:
+    """The parameters and buffers the modules of a run held when its forward ran."""
+
+    entries: tuple[tuple[dict[str, Any], str, Tensor | None], ...]
+    """``(module._parameters or module._buffers, name, tensor)`` for each tensor."""
+
+    @classmethod
+    def capture(cls, modules: Iterable[nn.Module]) -> ModuleTensors:
+        return cls(tuple([(d, name, t) for m in modules for d in (m._parameters, m._buffers) for name, t in d.items()]))
+
+    @contextlib.contextmanager
+    def in_place(self) -> Iterator[None]:
+        """Run the body with the recorded tensors back in the modules."""
+        swapped = [(d, name, t, d.get(name)) for d, name, t in self.entries if d.get(name) is not t]
+        for d, name, t, _ in swapped:
+            d[name] = t
+        try:
+            yield
+        finally:
+            for d, name, _, now in swapped:
+                d[name] = now
