@@ -24,11 +24,11 @@ from torch import Tensor, nn
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RunCheck
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
-from revtrain.core.overlap import reverse_overlapped, supports_phases
+from revtrain.core.overlap import reverse_overlapped, supports_overlap
 from revtrain.core.functional_call import ModuleTensors, submodules
 from revtrain.core.replay import AutocastState, no_running_stat_updates_of, stat_norms
 from revtrain.core.sharding import any_sharded, unsharded
-from revtrain.core.step import ReversibleStep, State, StepResult, owner_module
+from revtrain.core.step import ReversibleStep, State, StepResult, add_grads, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
 
 __all__ = ["run_reversible", "run_spec", "check_state"]
@@ -157,22 +157,20 @@ class _ReversibleRun(torch.autograd.Function):
             nonlocal extra_grads
             param_grads[i] = result.param_grads
             if result.extra_grads:
-                extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
+                extra_grads = [add_grads(a, b) for a, b in zip(extra_grads, result.extra_grads)]
             if check is not None:
                 check.rebuilt(i, result.inputs)
 
         with torch.enable_grad(), ctx.autocast.context(), _as_in_forward(run):
-            if run.overlap and supports_phases(layers):
-                def start(i: int, ys: list[Tensor]) -> Any:
-                    return layers[i].reverse_phases(  # type: ignore[attr-defined]
-                        ys, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
-                    )
-
-                bottom = reverse_overlapped(
-                    n, start, functools.partial(_unsharded, run), state, grad_state, on_result
+            if run.overlap and supports_overlap(layers):
+                state, grad_state = reverse_overlapped(
+                    n,
+                    lambda i, ys, dys, **hooks: layers[i].step_reverse(  # type: ignore[call-arg]
+                        ys, dys, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra, **hooks
+                    ),
+                    lambda i, ys: layers[i].rebuild_top(ys, ctx.records[i], extra),  # type: ignore[attr-defined]
+                    functools.partial(_unsharded, run), state, grad_state, on_result,
                 )
-                state, grad_state = list(bottom.inputs), list(bottom.grad_inputs)
-                del bottom
             else:
                 for i in reversed(range(n)):  # Algorithm 1, layer by layer (block.py)
                     with _unsharded(run, i):
@@ -191,11 +189,6 @@ class _ReversibleRun(torch.autograd.Function):
         flat = [g for layer_grads in param_grads for g in layer_grads]
         return (None, *dxs, *extra_grads, *flat)
 
-
-def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
 
 
 def _where(layer: ReversibleStep, i: int, n: int) -> str:
@@ -437,4 +430,3 @@ def _register(
     for holder in kept_tensors(producer.kept_refs)[: producer.n_outputs]:
         if holder is not None:
             holder.drop()  # the taker rebuilds it in backward
-

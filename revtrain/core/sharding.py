@@ -18,20 +18,16 @@ from typing import Any
 __all__ = ["unsharded", "any_sharded"]
 
 
-def _fsdp_module_type() -> type | None:
-    return getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-
-
 def any_sharded(layers: Iterable[Any]) -> bool:
     """Whether any of ``layers`` is FSDP2-managed (a run asks once, not per layer)."""
-    module_type = _fsdp_module_type()
+    module_type = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     return module_type is not None and any(isinstance(layer, module_type) for layer in layers)
 
 
 @contextlib.contextmanager
 def unsharded(layers: Iterable[Any]) -> Iterator[None]:
     """Run the body with the parameters of every FSDP2-managed layer in ``layers`` whole."""
-    module_type = _fsdp_module_type()
+    module_type = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if module_type is None:
         yield
         return
