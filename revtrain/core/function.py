@@ -190,7 +190,6 @@ class _ReversibleRun(torch.autograd.Function):
         return (None, *dxs, *extra_grads, *flat)
 
 
-
 def _where(layer: ReversibleStep, i: int, n: int) -> str:
     return f"block {i} of a run of {n} M-mode blocks ({layer.describe()})"
 
