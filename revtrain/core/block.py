@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -68,7 +68,8 @@ class _CouplingRecord:
     rng_g: RngState | None
 
 
-class _Roles(NamedTuple):  # a tuple: built twice per block call
+@dataclass(frozen=True)
+class _Roles:
     """Who plays ``F`` and ``G`` with which coupling: the block itself, or its inverse (whose
     "F" is the block's ``G`` and whose coupling is the block's coupling inverted)."""
 
@@ -149,8 +150,7 @@ class ReversibleBlock(Invertible):
 
     @property
     def roles(self) -> _Roles:
-        m = self._modules  # not nn.Module.__getattr__: read twice per block call
-        return _Roles(m["f"], m["g"], "F", "G", self.coupling)
+        return _Roles(self.f, self.g, "F", "G", self.coupling)
 
     @property
     def inverse_roles(self) -> _Roles:

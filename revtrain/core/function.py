@@ -25,7 +25,7 @@ from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RunCheck
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_overlap
-from revtrain.core.functional_call import ModuleTensors, submodules
+from revtrain.core.functional_call import ModuleTensors
 from revtrain.core.replay import AutocastState, no_running_stat_updates_of, stat_norms
 from revtrain.core.sharding import any_sharded, unsharded
 from revtrain.core.step import ReversibleStep, State, StepResult, add_grads, owner_module
@@ -211,10 +211,7 @@ def _as_in_forward(run: _Run) -> Iterator[None]:
 
 def _unsharded(run: _Run, i: int) -> contextlib.AbstractContextManager[None]:
     """Layer ``i`` whole while it rebuilds, where FSDP2 shards it (one layer at a time)."""
-    return unsharded(run.layers[i : i + 1]) if run.sharded else _WHOLE
-
-
-_WHOLE = contextlib.nullcontext()
+    return unsharded(run.layers[i : i + 1]) if run.sharded else contextlib.nullcontext()
 
 
 def _live_extra(run: _Run, saved_extra: Sequence[Tensor], needs_grad: Sequence[bool]) -> ExtraArgs:
@@ -393,7 +390,7 @@ def run_spec(
     """The non-tensor first argument of ``_ReversibleRun.apply`` (the tensors follow: the
     state, the extra arguments' tensors, then every layer's ``step_params()``)."""
     # One walk per layer's module serves both hooks (this runs on every M-mode forward).
-    modules = [m for layer in layers if (owner := owner_module(layer)) is not None for m in submodules(owner)]
+    modules = [m for layer in layers if (owner := owner_module(layer)) is not None for m in owner.modules()]
     return _Run(
         layers=tuple(layers),
         join_dim=join_dim,

@@ -16,22 +16,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["ModuleTensors", "submodules"]
-
-
-def submodules(module: nn.Module) -> list[nn.Module]:
-    """``list(module.modules())`` (same order, each once) without its generators: a run calls
-    it on every layer in every M-mode forward."""
-    out: list[nn.Module] = []
-    seen: set[int] = set()
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        if id(m) not in seen:
-            seen.add(id(m))
-            out.append(m)
-            stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-    return out
+__all__ = ["ModuleTensors"]
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,6 @@ from torch import Tensor, nn
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.function import check_state, run_reversible
-from revtrain.core.functional_call import submodules
 from revtrain.core.replay import RngState
 from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads
 
@@ -73,16 +72,12 @@ def normalize_mode(mode: str) -> Mode:
 
 def trainable_params(*modules: nn.Module) -> list[Tensor]:
     """The parameters of ``modules`` that require grad, each once, in module order."""
-    found = [p for module in modules for m in submodules(module) for p in m._parameters.values()]
-    return list({id(p): p for p in found if p is not None and p.requires_grad}.values())
+    return list({id(p): p for module in modules for p in module.parameters() if p.requires_grad}.values())
 
 
 def replay(state: RngState | None) -> contextlib.AbstractContextManager[None]:
     """Run the body with the captured random generators (no-op for ``None``)."""
-    return state.replay() if state is not None else _NO_REPLAY
-
-
-_NO_REPLAY = contextlib.nullcontext()  # reusable, and one object less per rebuild
+    return state.replay() if state is not None else contextlib.nullcontext()
 
 
 @dataclass

@@ -23,8 +23,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from revtrain.core.functional_call import submodules
-
 
 __all__ = ["RngState", "AutocastState", "autocast_device_type", "no_running_stat_updates", "stat_norms"]
 
@@ -119,7 +117,7 @@ def no_running_stat_updates(*modules: nn.Module) -> Iterator[None]:
     training mode: batch statistics, no update), so no tensor is written to: other pending
     graphs that saved the statistics stay valid.
     """
-    with no_running_stat_updates_of(stat_norms(m for module in modules for m in submodules(module))):
+    with no_running_stat_updates_of(stat_norms(m for module in modules for m in module.modules())):
         yield
 
 
@@ -127,11 +125,10 @@ def no_running_stat_updates(*modules: nn.Module) -> Iterator[None]:
 def no_running_stat_updates_of(norms: Iterable[_NormBase]) -> Iterator[None]:
     """:func:`no_running_stat_updates` for norm layers already found."""
     norms = list(norms)
-    # object.__setattr__: a plain attribute either way, without nn.Module's lookups (per call).
     for m in norms:
-        object.__setattr__(m, "track_running_stats", False)
+        m.track_running_stats = False
     try:
         yield
     finally:
         for m in norms:
-            object.__setattr__(m, "track_running_stats", True)
+            m.track_running_stats = True

@@ -96,22 +96,3 @@ def test_torch_func_transforms_are_refused_clearly(transform):
     set_modes(block, "C")
     run()  # the same call in C-mode works
 
-
-def test_one_walk_finds_what_module_modules_and_parameters_find():
-    """The run's own module walk (``functional_call.submodules``) and the parameter list built on
-    it match torch's: same modules in the same order, shared ones once, frozen parameters left out."""
-    from torch import nn
-
-    from revtrain.core import trainable_params
-    from revtrain.core.functional_call import submodules
-
-    shared = nn.Linear(3, 3)
-    frozen = nn.Conv2d(2, 2, 1)
-    frozen.weight.requires_grad_(False)
-    model = nn.Sequential(
-        nn.Sequential(shared, nn.ReLU()), shared, nn.ModuleDict({"a": frozen, "b": nn.Identity()}),
-        nn.ModuleList([nn.BatchNorm1d(3), shared]),
-    )
-    model.register_module("empty", None)
-    assert submodules(model) == list(model.modules())
-    assert trainable_params(model) == [p for p in model.parameters() if p.requires_grad]
