@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,7 +31,7 @@ from revtrain.core.invertible import (
     route_extra_grads,
 )
 from revtrain.core.replay import RngState
-from revtrain.core.step import Grads, State, StepResult, autograd_grads
+from revtrain.core.step import Grads, State, StepResult, add_grads, autograd_grads
 from revtrain.errors import ReversibilityError
 
 __all__ = ["ReversibleBlock", "Mode", "MODES", "normalize_mode", "split_halves"]
@@ -257,16 +257,19 @@ class ReversibleBlock(Invertible):
         params: Sequence[Tensor],
         need_input_grad: bool,
         extra: ExtraArgs = NO_ARGS,
+        *,
+        top: tuple[Tensor, FOut, Tensor] | None = None,
+        on_input: Callable[[State], None] | None = None,
     ) -> StepResult:
-        return _couple_reverse(self.roles, ys, dys, record, params, need_input_grad, extra)
+        """Algorithm 1 (:func:`_couple_reverse`); ``top`` and ``on_input`` are the overlap's
+        hooks (``core/overlap.py``)."""
+        return _couple_reverse(self.roles, ys, dys, record, params, need_input_grad, extra, top, on_input)
 
-    def reverse_phases(
-        self, ys: State, record: Any, params: Sequence[Tensor], need_input_grad: bool, extra: ExtraArgs = NO_ARGS
-    ) -> Generator[Any, Any, StepResult]:
-        """:meth:`step_reverse` in three phases (rebuild ``x2``; take ``dys``, rebuild ``x1``;
-        gradients), for a driver that overlaps the rebuild of the block below with this
-        block's gradients (``ReversibleSequence(..., overlap_rebuild=True)``)."""
-        return _couple_phases(self.roles, ys, record, params, need_input_grad, extra)
+    def rebuild_top(self, ys: State, record: Any, extra: ExtraArgs = NO_ARGS) -> tuple[Tensor, FOut, Tensor]:
+        """Step 1 of :meth:`step_reverse` alone (rebuild ``x2``, keeping ``G``'s graph), for
+        ``core/overlap.py``, which passes its result back as ``step_reverse(..., top=...)``."""
+        rng_g = record.rng_g if isinstance(record, _CouplingRecord) else None
+        return _rebuild_half(self.g, self.coupling, ys[0], ys[1], rng_g, extra, True, True)
 
 
 class _BlockInverse(InverseStep):
@@ -309,11 +312,13 @@ def _couple_forward(
     rng_g = RngState.capture(x1.device) if rng else None
     y2 = coupling.forward(x2, block.checked_call(roles.g, roles.g_name, y1, x2, extra))
     if rng_f is not None and rng_g is not None:
-        # Replay only what drew random numbers: 5% of a small M-mode step went to replaying
-        # generators for F and G without randomness.
-        g_drew = not rng_g.same_as(RngState.capture(x1.device))
-        rng_f = None if rng_f.same_as(rng_g) else rng_f
-        rng_g = rng_g if g_drew else None
+        # Replay only what drew random numbers (a replay costs more than these comparisons);
+        # one comparison where neither drew.
+        after = RngState.capture(x1.device)
+        if rng_f.same_as(after):
+            rng_f = rng_g = None
+        else:
+            rng_f, rng_g = (None if rng_f.same_as(rng_g) else rng_f), (None if rng_g.same_as(after) else rng_g)
     if type(coupling).check_range is not Coupling.check_range:  # skip describe() where a no-op
         coupling.check_range((y1, y2), block.describe())
     return (y1, y2), _CouplingRecord(rng_f, rng_g)
@@ -327,9 +332,15 @@ def _couple_reverse(
     params: Sequence[Tensor],
     need_input_grad: bool,
     extra: ExtraArgs,
+    top: tuple[Tensor, FOut, Tensor] | None = None,
+    on_input: Callable[[State], None] | None = None,
 ) -> StepResult:
     """RevNet's Algorithm 1: from the output ``(y1, y2)`` and its gradient ``(dy1, dy2)`` back
     to the input ``(x1, x2)``, its gradient and the parameter gradients.
+
+    Two hooks for the overlap (``core/overlap.py``): ``top``, step 1 already done
+    (:meth:`ReversibleBlock.rebuild_top`); ``on_input``, called with the rebuilt input before
+    ``F``'s backward.
 
     ``G`` and ``F`` run once each, building the graph that their backward then reuses: about
     4N for the block (forward N, rebuild N, backward 2N), never "rebuild, then run the forward
@@ -344,7 +355,8 @@ def _couple_reverse(
     wrt = [*params, *(t for t in extra.tensors if t.requires_grad)]
 
     # 1. x2 = c⁻¹(y2, G(y1)), keeping G's graph (z1 is y1 as G's input).
-    z1, h_g, x2 = _rebuild_half(roles.g, roles.coupling, y1, y2, rng_g, extra, dy2 is not None, True)
+    z1, h_g, x2 = top or _rebuild_half(roles.g, roles.coupling, y1, y2, rng_g, extra, dy2 is not None, True)
+    del top
     del y2
     # 2. Backward through G and the coupling: dx2 so far, and dz1 = dy1 + dG/dz1ᵀ dh_g.
     dx2, dz1, grads = _backprop_half(roles.coupling, z1, h_g, x2, dy2, dy1, wrt, True)
@@ -353,12 +365,14 @@ def _couple_reverse(
     build_f = dz1 is not None
     x2, h_f, x1 = _rebuild_half(roles.f, roles.coupling, x2, z1, rng_f, extra, build_f, need_input_grad and build_f)
     del y1, z1
+    x2_out = x2.detach() if x2.requires_grad else x2
+    if on_input is not None:
+        on_input((x1, x2_out))
     # 4. Backward through F and the coupling: dx1, and dx2 += dF/dx2ᵀ dh_f.
     dx1, dx2_f, f_grads = _backprop_half(roles.coupling, x2, h_f, x1, dz1, None, wrt, need_input_grad)
-    grads = [_sum(a, b) for a, b in zip(grads, f_grads)]
+    grads = [add_grads(a, b) for a, b in zip(grads, f_grads)]
     n = len(params)
-    x2_out = x2.detach() if x2.requires_grad else x2
-    return StepResult((x1, x2_out), (dx1, _sum(dx2, dx2_f)), grads[:n], route_extra_grads(extra, grads[n:]))
+    return StepResult((x1, x2_out), (dx1, add_grads(dx2, dx2_f)), grads[:n], route_extra_grads(extra, grads[n:]))
 
 
 def _rebuild_half(
@@ -371,8 +385,7 @@ def _rebuild_half(
     inp = inp.detach().requires_grad_(input_grad and graph)
     with replay(rng), torch.set_grad_enabled(graph):
         h = extra.call(fn, inp)
-    with torch.no_grad():
-        x = coupling.inverse(out, _detached(h))
+    x = coupling.inverse(out.detach(), _detached(h))  # detached inputs: no graph, no no_grad()
     return inp, h, (x.detach() if x.requires_grad else x)
 
 
@@ -389,36 +402,7 @@ def _backprop_half(
     del dy
     grads = autograd_grads([h], [inp, *wrt] if input_grad else wrt, [dh])
     d_fn = grads.pop(0) if input_grad else None
-    return dx, (d_fn if d_inp is None else _add(d_inp, d_fn)), grads
-
-
-def _couple_phases(
-    roles: _Roles, ys: State, record: Any, params: Sequence[Tensor], need_input_grad: bool, extra: ExtraArgs
-) -> Generator[Any, Any, StepResult]:
-    """:func:`_couple_reverse` in three phases, for ``core/overlap.py``: (1) rebuild ``x2``, then
-    receive ``dys``; (2) ``G``'s backward and rebuild ``x1``, then yield the rebuilt input;
-    (3) ``F``'s backward and return the result."""
-    rng_f, rng_g = (record.rng_f, record.rng_g) if isinstance(record, _CouplingRecord) else (None, None)
-    y1, y2 = ys
-    _consume(ys, ())
-    params = list(params)
-    wrt = [*params, *(t for t in extra.tensors if t.requires_grad)]
-    z1, h_g, x2 = _rebuild_half(roles.g, roles.coupling, y1, y2, rng_g, extra, True, True)
-    del y2
-    dys = yield None
-    dy1, dy2 = dys
-    _consume((), dys)
-    dx2, dz1, grads = _backprop_half(roles.coupling, z1, h_g, x2, dy2, dy1, wrt, True)
-    del dy1, dy2, h_g
-    build_f = dz1 is not None
-    x2, h_f, x1 = _rebuild_half(roles.f, roles.coupling, x2, z1, rng_f, extra, build_f, need_input_grad and build_f)
-    del y1, z1
-    x2_out = x2.detach() if x2.requires_grad else x2
-    yield (x1, x2_out)
-    dx1, dx2_f, f_grads = _backprop_half(roles.coupling, x2, h_f, x1, dz1, None, wrt, need_input_grad)
-    grads = [_sum(a, b) for a, b in zip(grads, f_grads)]
-    n = len(params)
-    return StepResult((x1, x2_out), (dx1, _sum(dx2, dx2_f)), grads[:n], route_extra_grads(extra, grads[n:]))
+    return dx, add_grads(d_inp, d_fn), grads
 
 
 def _explain_call_error(fn: nn.Module, fn_name: str, inp: Tensor, extra: ExtraArgs, err: Exception) -> None:
@@ -458,13 +442,3 @@ def _consume(ys: Sequence[Tensor], dys: Sequence[Tensor | None]) -> None:
 
 def _detached(h: FOut) -> FOut:
     return tuple(t.detach() for t in h) if isinstance(h, tuple) else h.detach()
-
-
-def _add(a: Tensor, b: Tensor | None) -> Tensor:
-    return a if b is None else a + b
-
-
-def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    if a is None:
-        return b
-    return a if b is None else a + b

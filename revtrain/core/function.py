@@ -6,7 +6,7 @@ backpropagating (``step_reverse``: RevNet's Algorithm 1 for a coupling block, ``
 hands the rebuilt input to the layer below. The optional pieces are called at fixed points, each
 from its own file: the rebuild check (``checks.py``), the hand-over between consecutive runs
 (``handoff.py``), the overlapped schedule (``overlap.py``), FSDP2 unsharding (``sharding.py``)
-and the forward's tensors for ``functional_call`` (``replay.ModuleTensors``).
+and the forward's tensors for ``functional_call`` (``functional_call.py``).
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.checks import RunCheck
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
-from revtrain.core.overlap import reverse_overlapped, supports_phases
-from revtrain.core.replay import AutocastState, ModuleTensors
-from revtrain.core.sharding import unsharded
-from revtrain.core.step import ReversibleStep, State, StepResult, owner_module
+from revtrain.core.overlap import reverse_overlapped, supports_overlap
+from revtrain.core.functional_call import ModuleTensors
+from revtrain.core.replay import AutocastState, no_running_stat_updates_of, stat_norms
+from revtrain.core.sharding import any_sharded, unsharded
+from revtrain.core.step import ReversibleStep, State, StepResult, add_grads, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
 
 __all__ = ["run_reversible", "run_spec", "check_state"]
@@ -67,7 +68,9 @@ class _Run:
     n_state: int
     extra: ExtraArgs
     n_extra: int
-    module_tensors: tuple[ModuleTensors | None, ...]
+    module_tensors: ModuleTensors  # what the modules of every layer held (functional_call.py)
+    stat_norms: tuple[nn.Module, ...]  # their norm layers that update running statistics
+    sharded: bool  # whether a layer is FSDP2-managed (sharding.py)
     overlap: bool = False  # overlap each layer's gradients with the rebuild below (overlap.py)
 
     def state_of(self, outputs: Sequence[Tensor]) -> State:
@@ -154,25 +157,23 @@ class _ReversibleRun(torch.autograd.Function):
             nonlocal extra_grads
             param_grads[i] = result.param_grads
             if result.extra_grads:
-                extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)]
+                extra_grads = [add_grads(a, b) for a, b in zip(extra_grads, result.extra_grads)]
             if check is not None:
                 check.rebuilt(i, result.inputs)
 
-        with torch.enable_grad(), ctx.autocast.context():
-            if run.overlap and supports_phases(layers):
-                def start(i: int, ys: list[Tensor]) -> Any:
-                    return layers[i].reverse_phases(  # type: ignore[attr-defined]
-                        ys, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
-                    )
-
-                bottom = reverse_overlapped(
-                    n, start, functools.partial(_as_in_forward, run), state, grad_state, on_result
+        with torch.enable_grad(), ctx.autocast.context(), _as_in_forward(run):
+            if run.overlap and supports_overlap(layers):
+                state, grad_state = reverse_overlapped(
+                    n,
+                    lambda i, ys, dys, **hooks: layers[i].step_reverse(  # type: ignore[call-arg]
+                        ys, dys, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra, **hooks
+                    ),
+                    lambda i, ys: layers[i].rebuild_top(ys, ctx.records[i], extra),  # type: ignore[attr-defined]
+                    functools.partial(_unsharded, run), state, grad_state, on_result,
                 )
-                state, grad_state = list(bottom.inputs), list(bottom.grad_inputs)
-                del bottom
             else:
                 for i in reversed(range(n)):  # Algorithm 1, layer by layer (block.py)
-                    with _as_in_forward(run, i):
+                    with _unsharded(run, i):
                         result = layers[i].step_reverse(
                             state, grad_state, ctx.records[i], run.param_lists[i], i > 0 or need_first, extra
                         )
@@ -189,12 +190,6 @@ class _ReversibleRun(torch.autograd.Function):
         return (None, *dxs, *extra_grads, *flat)
 
 
-def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
-
-
 def _where(layer: ReversibleStep, i: int, n: int) -> str:
     return f"block {i} of a run of {n} M-mode blocks ({layer.describe()})"
 
@@ -207,12 +202,16 @@ def _release_output(ctx: Any) -> None:
 
 
 @contextlib.contextmanager
-def _as_in_forward(run: _Run, i: int) -> Iterator[None]:
-    """The rebuild of layer ``i`` sees its modules as the forward did: same parameters and
-    buffers (``functional_call``), norm statistics not updated a second time."""
-    tensors = run.module_tensors[i]
-    with unsharded(run.layers[i : i + 1]), tensors.in_place() if tensors is not None else contextlib.nullcontext():
+def _as_in_forward(run: _Run) -> Iterator[None]:
+    """The rebuilds of the run see its modules as the forward did: same parameters and buffers
+    (``functional_call``), norm statistics not updated a second time. Entered once per run."""
+    with run.module_tensors.in_place(), no_running_stat_updates_of(run.stat_norms):
         yield
+
+
+def _unsharded(run: _Run, i: int) -> contextlib.AbstractContextManager[None]:
+    """Layer ``i`` whole while it rebuilds, where FSDP2 shards it (one layer at a time)."""
+    return unsharded(run.layers[i : i + 1]) if run.sharded else contextlib.nullcontext()
 
 
 def _live_extra(run: _Run, saved_extra: Sequence[Tensor], needs_grad: Sequence[bool]) -> ExtraArgs:
@@ -320,9 +319,9 @@ def _rebuild_input(node: Any) -> State:
     extra_in = saved[node.n_outputs :]
     extra = run.extra.with_tensors([t.detach() for t in extra_in]) if run.n_extra else run.extra
     ys = _output_state(node, saved)
-    with torch.no_grad(), node.autocast.context():
+    with torch.no_grad(), node.autocast.context(), _as_in_forward(run):
         for i in reversed(range(len(run.layers))):
-            with _as_in_forward(run, i):
+            with _unsharded(run, i):
                 result = run.layers[i].step_reverse(
                     ys, (None,) * len(ys), node.records[i], run.param_lists[i], False, extra
                 )
@@ -390,8 +389,8 @@ def run_spec(
 ) -> _Run:
     """The non-tensor first argument of ``_ReversibleRun.apply`` (the tensors follow: the
     state, the extra arguments' tensors, then every layer's ``step_params()``)."""
-    tensors = tuple(ModuleTensors.capture(m) if m is not None else None
-                    for m in (owner_module(layer) for layer in layers))
+    # One walk per layer's module serves both hooks (this runs on every M-mode forward).
+    modules = [m for layer in layers if (owner := owner_module(layer)) is not None for m in owner.modules()]
     return _Run(
         layers=tuple(layers),
         join_dim=join_dim,
@@ -399,7 +398,9 @@ def run_spec(
         n_state=n_state,
         extra=extra,
         n_extra=len(extra.tensors),
-        module_tensors=tensors,
+        module_tensors=ModuleTensors.capture(modules),
+        stat_norms=tuple(dict.fromkeys(stat_norms(modules))),
+        sharded=any_sharded(layers),
         overlap=overlap,
     )
 
@@ -425,4 +426,3 @@ def _register(
     for holder in kept_tensors(producer.kept_refs)[: producer.n_outputs]:
         if holder is not None:
             holder.drop()  # the taker rebuilds it in backward
-

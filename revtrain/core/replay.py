@@ -1,7 +1,7 @@
 """State that a rebuild in backward must reproduce or leave alone.
 
 Four things can differ between running ``F`` in the forward pass and running it again in
-backward, and each is handled here:
+backward; three are handled here:
 
 - random numbers (dropout): :class:`RngState` captures the generators before ``F`` runs and
   replays them around the rebuild, then puts the generators back as they were (only where
@@ -9,10 +9,7 @@ backward, and each is handled here:
 - autocast: :class:`AutocastState` records the forward's autocast settings and re-enters them;
 - batch-norm running statistics: :func:`no_running_stat_updates` keeps the rebuild from
   updating them a second time, without writing to them;
-- the parameters and buffers themselves: ``torch.func.functional_call`` (meta-learning,
-  ensembling) swaps substitute tensors into the modules for the forward only, so backward would
-  otherwise rebuild with the module's own tensors. :class:`ModuleTensors` records the tensors the
-  forward ran with and puts them back in place for the rebuild.
+- the parameters and buffers themselves (``torch.func.functional_call``): ``functional_call.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
 
-__all__ = ["RngState", "AutocastState", "autocast_device_type", "ModuleTensors", "no_running_stat_updates"]
+__all__ = ["RngState", "AutocastState", "autocast_device_type", "no_running_stat_updates", "stat_norms"]
 
 
 @dataclass(slots=True)
@@ -107,13 +104,9 @@ class AutocastState:
         )
 
 
-def _stat_norms(modules: Iterable[nn.Module]) -> list[_NormBase]:
-    return [
-        m
-        for module in modules
-        for m in module.modules()
-        if isinstance(m, _NormBase) and m.training and m.track_running_stats
-    ]
+def stat_norms(modules: Iterable[nn.Module]) -> list[_NormBase]:
+    """The norm layers among ``modules`` (not their submodules) that would update statistics."""
+    return [m for m in modules if isinstance(m, _NormBase) and m.training and m.track_running_stats]
 
 
 @contextlib.contextmanager
@@ -124,7 +117,7 @@ def no_running_stat_updates(*modules: nn.Module) -> Iterator[None]:
     training mode: batch statistics, no update), so no tensor is written to: other pending
     graphs that saved the statistics stay valid.
     """
-    with no_running_stat_updates_of(_stat_norms(modules)):
+    with no_running_stat_updates_of(stat_norms(m for module in modules for m in module.modules())):
         yield
 
 
@@ -139,32 +132,3 @@ def no_running_stat_updates_of(norms: Iterable[_NormBase]) -> Iterator[None]:
     finally:
         for m in norms:
             m.track_running_stats = True
-
-
-@dataclass(frozen=True)
-class ModuleTensors:
-    """The parameters and buffers every submodule of a module held when the forward ran, and
-    its norm layers that update running statistics (the rebuild must not)."""
-
-    entries: tuple[tuple[dict[str, Any], str, Tensor | None], ...]
-    """``(module._parameters or module._buffers, name, tensor)`` for each tensor."""
-    stat_norms: tuple[_NormBase, ...] = ()
-
-    @classmethod
-    def capture(cls, module: nn.Module) -> ModuleTensors:
-        entries = [(d, name, t) for m in module.modules() for d in (m._parameters, m._buffers) for name, t in d.items()]
-        return cls(tuple(entries), tuple(_stat_norms([module])))
-
-    @contextlib.contextmanager
-    def in_place(self) -> Iterator[None]:
-        """Run the body with the recorded tensors back in the modules (usually a no-op: nothing
-        was swapped since the forward) and the norm layers' statistics updates stopped."""
-        swapped = [(d, name, t, d.get(name)) for d, name, t in self.entries if d.get(name) is not t]
-        for d, name, t, _ in swapped:
-            d[name] = t
-        with no_running_stat_updates_of(self.stat_norms):
-            try:
-                yield
-            finally:
-                for d, name, _, now in swapped:
-                    d[name] = now

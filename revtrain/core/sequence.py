@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.block import ReversibleBlock
 from revtrain.core.function import check_state, run_reversible
-from revtrain.core.step import Grads, State, StepResult
+from revtrain.core.step import Grads, State, StepResult, add_grads
 
 __all__ = ["ReversibleSequence"]
 
@@ -153,7 +153,7 @@ class ReversibleSequence(nn.Module):
                 k = index[id(p)]
                 if g is not None:
                     grads[k] = g if grads[k] is None else grads[k] + g  # type: ignore[operator]
-            extra_grads = [_sum(a, b) for a, b in zip(extra_grads, result.extra_grads)] if result.extra_grads else extra_grads
+            extra_grads = [add_grads(a, b) for a, b in zip(extra_grads, result.extra_grads)] if result.extra_grads else extra_grads
             ys, dys = result.inputs, result.grad_inputs
         return StepResult(ys, dys, grads, extra_grads)
 
@@ -165,9 +165,3 @@ class ReversibleSequence(nn.Module):
 
     def describe(self) -> str:
         return f"ReversibleSequence of {len(self.blocks)} blocks"
-
-
-def _sum(a: Tensor | None, b: Tensor | None) -> Tensor | None:
-    if a is None:
-        return b
-    return a if b is None else a + b

@@ -15,14 +15,19 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["unsharded"]
+__all__ = ["unsharded", "any_sharded"]
+
+
+def any_sharded(layers: Iterable[Any]) -> bool:
+    """Whether any of ``layers`` is FSDP2-managed (a run asks once, not per layer)."""
+    module_type = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    return module_type is not None and any(isinstance(layer, module_type) for layer in layers)
 
 
 @contextlib.contextmanager
 def unsharded(layers: Iterable[Any]) -> Iterator[None]:
     """Run the body with the parameters of every FSDP2-managed layer in ``layers`` whole."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    module_type = getattr(fsdp, "FSDPModule", None)
+    module_type = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if module_type is None:
         yield
         return

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.replay import AutocastState, no_running_stat_updates
 
-__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module"]
+__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module", "add_grads"]
 
 State = tuple[Tensor, ...]
 """The tensors a reversible layer maps: ``(x1, x2)`` for coupling blocks, ``(x,)`` otherwise."""
@@ -96,6 +96,13 @@ def owner_module(layer: object) -> nn.Module | None:
         return layer
     module = getattr(layer, "module", None)
     return module if isinstance(module, nn.Module) else None
+
+
+def add_grads(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    """``a + b``, or whichever is not None (None: no gradient reached that tensor)."""
+    if a is None:
+        return b
+    return a if b is None else a + b
 
 
 def autograd_grads(

@@ -95,3 +95,4 @@ def test_torch_func_transforms_are_refused_clearly(transform):
         run()
     set_modes(block, "C")
     run()  # the same call in C-mode works
+
