@@ -129,7 +129,7 @@ def test_petra_rank_exit_alone(tmp_path: Path) -> None:
     rows = report.table("rank_exit").rows
     assert [(r["ending"], r["runs"]) for r in rows] == [("exit_rank", 1), ("normal", 1)]
     assert rows[0]["failed"] == 0 and rows[0]["failed_codes"] == "-"  # exit_rank always ends cleanly
-    assert [t.name for t in report.tables] == ["rank_exit"]
+    assert [t.name for t in report.tables] == ["rank_exit"] and report.title.startswith("PETRA's ranks")
 
 
 def test_compile_reads_the_gain_and_compilation_time_from_the_two_runs(tmp_path: Path, monkeypatch) -> None:

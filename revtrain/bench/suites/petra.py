@@ -90,11 +90,15 @@ def run(options, device: torch.device, out: Path, log) -> Report:
         from revtrain.bench.suites.petra_rank_exit import rank_exit_table
 
         tables.append(rank_exit_table(options.pick(20, 1), log))
+    if parts == ("rank-exit",):
+        return Report("petra", "PETRA's ranks: ending a data-parallel rank", {}, tables, intro=_RANK_EXIT_INTRO)
     return Report("petra", "PETRA: accuracy, throughput and memory per stage", {}, tables, intro=_INTRO)
 
 
 _INTRO = ("Stage-parallel training with delayed gradients (`revtrain train --stages J`). Accuracy runs use the public "
           "command; throughput and the Table 3 memory drive the parallel package directly.")
+_RANK_EXIT_INTRO = ("How often a finished data-parallel rank dies at exit (`revtrain bench petra --methods rank-exit`), "
+                    "with and without `revtrain.parallel.distributed.exit_rank`.")
 
 
 def accuracy_tables(model: str, options, log) -> list[Table]:
