@@ -65,10 +65,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a model (default: RevNet-38 on digits, M-mode)",
                            description="Train a model; every option defaults to the recipe in TrainConfig.")
+    from revtrain.planner.profile_options import PROFILE_OPTIONS, ProfileOptions
+
     _add_config_options(train, TrainConfig, const={"amp": "bf16"}, help_suffix={
         "model": f" Choices: {', '.join(list_models())}.",
         "task": f" Choices: {', '.join(list_tasks())}.",
-    })
+    }, exclude=PROFILE_OPTIONS)
+    # --repeats, --refine, --t-e-max-pairs, ...: the same options as revtrain plan's, one definition
+    _add_config_options(train.add_argument_group("planning (with --budget)"), ProfileOptions)
     from revtrain.parallel import PetraConfig
     from revtrain.parallel.command import SHARED_WITH_TRAIN, ParallelConfig
 
@@ -176,8 +180,10 @@ def _wire_bench(parser: argparse.ArgumentParser) -> None:
 
 def _wire_plan(parser: argparse.ArgumentParser) -> None:
     from revtrain.planner.command import PlanConfig, run_plan
+    from revtrain.planner.profile_options import PROFILE_OPTIONS, ProfileOptions
 
-    _add_config_options(parser, PlanConfig)
+    _add_config_options(parser, PlanConfig, exclude=PROFILE_OPTIONS)
+    _add_config_options(parser.add_argument_group("how carefully the planner measures"), ProfileOptions)
     parser.set_defaults(run=lambda args: run_plan(PlanConfig(**_given(args, PlanConfig))))
 
 

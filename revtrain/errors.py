@@ -14,6 +14,7 @@ __all__ = [
     "ReconstructionError",
     "GridOverflowError",
     "ReconstructionDriftWarning",
+    "unknown_names_error",
 ]
 
 
@@ -40,3 +41,16 @@ class GridOverflowError(ReconstructionError):
 
 class ReconstructionDriftWarning(UserWarning):
     """The rebuilt input of a block drifted from the original by more than the block's tolerance."""
+
+
+def unknown_names_error(unknown: list[str], known: list[str], item: str, kind: str) -> ValueError:
+    """The error for names that a plan or a mapping gives and the model lacks (block modes,
+    plain-layer options): the first few unknown names, how the model's ``kind`` are named, and the
+    likely cause. ``item`` names one of them (``"block"``), ``kind`` all of them
+    (``"reversible blocks"``)."""
+    shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+    named = ", ".join(known[:3]) + (" ..." if len(known) > 3 else "")
+    return ValueError(
+        f"{len(unknown)} {item} name(s) not in this model: {shown}. The model's {kind} are named like: "
+        f"{named or '(none)'}. Was the plan made for another model?"
+    )

@@ -1,7 +1,8 @@
 """``revtrain bench SUITE``: one runner, shared options, one report per suite and machine kind.
 
 Every suite is a module of :mod:`revtrain.bench.suites` with ``run(options, device, out, log) ->
-Report``; :data:`SUITES` says what each answers. The runner parses the shared options,
+Report`` (and optionally ``report_suffix(options) -> str``, appended to the default report name
+when the options pick a part that has a report of its own); :data:`SUITES` says what each answers. The runner parses the shared options,
 times the run, fills the report's header (machine, device, torch version, date, command, load
 average before and after) and writes ``<out>.md`` and ``<out>.csv`` (:mod:`revtrain.bench.report`).
 By default ``<out>`` is ``results/<suite>_<device>`` (``cpu``, ``cuda_h100``, ...); a ``--quick``
@@ -65,7 +66,10 @@ class BenchOptions:
     """Shapes to measure, in the suite's form: core BATCHxCHANNELSxSIZExDEPTH, zoo SIDE:BATCH,
     planner and inplace_abn batch sizes, transformer SEQ_LEN; default the suite's grid."""
     methods: tuple[str, ...] = ()
-    """core only: methods beyond the default (M-nocheck, M-check4, M-exact, M-overlap, M-chain)."""
+    """core: exactly these methods, plain (the reference) always among them (plain, M, C, checkpoint,
+    a peer library, M-nocheck, M-check1, M-check4, M-exact, M-overlap, M-chain; default plain, M, C,
+    checkpoint and every installed peer); planner: its parts (sweep, whole-model); petra: its parts
+    (accuracy, throughput, memory, rank-exit)."""
     repeats: int | None = None
     """Timed rounds per measurement; default the suite's."""
     warmup: int | None = None
@@ -134,7 +138,8 @@ def run_suite(name: str, options: BenchOptions, *, command: str | None = None, l
         if options.out:
             out = Path(options.out)
         else:
-            out = Path("results") / ("tmp" if options.quick else "") / f"{name}_{label}"
+            suffix = module.report_suffix(options) if hasattr(module, "report_suffix") else ""
+            out = Path("results") / ("tmp" if options.quick else "") / f"{name}_{label}{suffix}"
         log(f"revtrain bench {name}: {device} ({before.get('gpu') or before['cpu']}), load average "
             f"{before['load_average']}")
         start = time.perf_counter()

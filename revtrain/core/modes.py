@@ -11,6 +11,7 @@ from torch import nn
 from revtrain.core.block import ReversibleBlock
 from revtrain.core.coupling import AdditiveCoupling, ExactAdditiveCoupling
 from revtrain.core.invertible import Invertible, Mode, normalize_mode
+from revtrain.errors import unknown_names_error
 
 __all__ = ["reversible_blocks", "set_modes", "get_modes", "use_exact_couplings", "set_rebuild_checks"]
 
@@ -38,12 +39,7 @@ def set_modes(model: nn.Module, modes: str | Mapping[str, str]) -> dict[str, Mod
         return get_modes(model)
     unknown = sorted(set(modes) - set(blocks))
     if unknown:
-        shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
-        known = ", ".join(list(blocks)[:3]) + (" ..." if len(blocks) > 3 else "")
-        raise ValueError(
-            f"{len(unknown)} block name(s) not in this model: {shown}. The model's reversible "
-            f"blocks are named like: {known or '(none)'}. Was the plan made for another model?"
-        )
+        raise unknown_names_error(unknown, list(blocks), "block", "reversible blocks")
     normalized = {name: normalize_mode(m) for name, m in modes.items()}
     for name, mode in normalized.items():
         blocks[name].mode = mode

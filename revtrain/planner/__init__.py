@@ -15,7 +15,8 @@ once (:mod:`~revtrain.planner.setup`); whole steps are measured by
 :func:`~revtrain.planner.measure.measure_steps`. :mod:`~revtrain.planner.data` holds what the
 stages exchange (a profile, a plan), written as JSON in one envelope
 (:mod:`~revtrain.planner.envelope`); :mod:`~revtrain.planner.budget` reads budgets such as
-``"6GiB"`` or ``"50%"``. :mod:`~revtrain.planner.sweep` chooses the batch size too (§3.4),
+``"6GiB"`` or ``"50%"``; :mod:`~revtrain.planner.profile_options` holds how carefully it measures
+(the options ``revtrain plan`` and ``revtrain train --budget`` share). :mod:`~revtrain.planner.sweep` chooses the batch size too (§3.4),
 :mod:`~revtrain.planner.plots` draws it (Fig. 4, Fig. 5), and :mod:`~revtrain.planner.command`
 is ``revtrain plan``.
 """
@@ -28,6 +29,7 @@ from revtrain.planner.knapsack import KnapsackSolution, MultipleChoiceSolution, 
 from revtrain.planner.measure import StepMeasurement, measure_steps
 from revtrain.planner.pipeline import PlanningResult, plan_for_model, run_pipeline
 from revtrain.planner.profile import profile_model, profile_setup, saved_bytes_in_context
+from revtrain.planner.profile_options import ProfileOptions
 from revtrain.planner.setup import MeasurementSetup, default_optimizer, preserved_state, prepare
 from revtrain.planner.recompute import LAYER_OPTIONS, get_layer_options, plain_layers, set_layer_options
 from revtrain.planner.solve import CHOICES, fit_plan, make_plan, refine_plan
@@ -47,6 +49,7 @@ __all__ = [
     "Plan",
     "PlanMismatchError",
     "PlanningResult",
+    "ProfileOptions",
     "Profile",
     "StepMeasurement",
     "SweepPoint",

@@ -3,7 +3,7 @@
 The options are the fields of :class:`PlanConfig` (the CLI derives them, :mod:`revtrain.options`);
 every option is checked when the config is built, before anything is measured. Example::
 
-    revtrain plan --model revnet110 --batch-size 128 --budget 2GiB --out plan.json
+    revtrain plan --model revnet38 --batch-size 64 --input-shape 1 8 8 --num-classes 10 --budget 9MiB
     revtrain plan --model revnet38 --budget 50% --sweep 32,64,128,256 --plots-dir plots/
 
 The example batch comes from the model's registry entry (:func:`revtrain.models.input_spec`), the
@@ -26,9 +26,9 @@ import torch
 from revtrain.core import set_rebuild_checks
 from revtrain.device import float_dtype, resolve_device
 from revtrain.errors import RevtrainError
-from revtrain.planner.block_timing import TimingRule
 from revtrain.planner.budget import check_budget
 from revtrain.planner.pipeline import run_pipeline
+from revtrain.planner.profile_options import ProfileOptions
 from revtrain.planner.report import report_plan, report_sweep
 from revtrain.planner.setup import prepare
 from revtrain.planner.sweep import parse_batch_sizes, sweep_setup
@@ -41,8 +41,9 @@ class PlanConfigError(RevtrainError, ValueError):
 
 
 @dataclass(kw_only=True)
-class PlanConfig:
-    """What ``revtrain plan`` plans, for which budget, and how carefully it measures."""
+class PlanConfig(ProfileOptions):
+    """What ``revtrain plan`` plans, for which budget, and how carefully it measures (the options it
+    shares with ``revtrain train --budget`` are those of :class:`ProfileOptions`)."""
 
     model: str
     """Zoo model name (`revtrain models` lists them), e.g. revnet110."""
@@ -74,21 +75,10 @@ class PlanConfig:
     """Where --sweep writes its PNGs and JSON (default: next to --out)."""
     confirm: int = 2
     """--sweep: plan and measure this many of the best predicted batch sizes with the full pipeline."""
-    repeats: int = 3
-    """Timed rounds of each whole-step measurement, at least (medians are used)."""
-    max_repeats: int | None = None
-    """Timed rounds at most: more are timed while a median step is not yet known to 2% (default: 4 x
-    --repeats)."""
     warmup: int = 2
     """Untimed steps before each whole-step measurement."""
-    refine: int = 4
-    """Measure up to this many richer plans and keep the fastest that fits (0: the plan as solved)."""
     choices: Literal["all", "mc"] = "all"
     """What the planner may choose: all (M/C per reversible block, keep or recompute per other layer, on CUDA also offload) or mc (Jiang et al.'s M/C per reversible block only)."""
-    t_e_precision: float = 0.05
-    """Time each block's M/C pairs until the standard error of its median t_e is this fraction of it."""
-    t_e_max_pairs: int = 30
-    """At most this many M/C pairs per block, however noisy."""
     seed: int = 0
     """Seed of the model's weights and of the example batch."""
     verify: bool = True
@@ -102,13 +92,13 @@ class PlanConfig:
         from revtrain.models import model_info
 
         spec = model_info(self.model).inputs  # an unknown model fails here, with close matches
-        for name, low in (("batch_size", 1), ("confirm", 0), ("repeats", 1), ("warmup", 1), ("refine", 0)):
+        for name, low in (("batch_size", 1), ("confirm", 0), ("warmup", 1)):
             _at_least(self, name, low)
         try:
+            self.check_profile_options()
             check_budget(self.budget)
             float_dtype(self.dtype)
             resolve_device(self.device)
-            self.timing_rule()
             if self.sweep is not None:
                 parse_batch_sizes(self.sweep)
         except ValueError as err:
@@ -126,16 +116,10 @@ class PlanConfig:
                 )
         if self.num_classes is not None:
             _at_least(self, "num_classes", 1)
-        if self.max_repeats is not None:
-            _at_least(self, "max_repeats", self.repeats)
         if self.threads is not None:
             _at_least(self, "threads", 1)
         if self.check_every is not None:
             _at_least(self, "check_every", 0)
-
-    def timing_rule(self) -> TimingRule:
-        """How each block's ``t_e`` is timed."""
-        return TimingRule.with_cap(self.t_e_precision, self.t_e_max_pairs)
 
 
 def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:

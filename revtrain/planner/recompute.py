@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from revtrain.core import Invertible
+from revtrain.errors import unknown_names_error
 
 __all__ = ["LAYER_OPTIONS", "get_layer_options", "plain_layers", "set_layer_options"]
 
@@ -86,12 +87,7 @@ def set_layer_options(model: nn.Module, options: str | Mapping[str, str]) -> dic
         wanted = dict(options)
         unknown = sorted(set(wanted) - set(layers))
         if unknown:
-            shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
-            known = ", ".join(list(layers)[:3]) + (" ..." if len(layers) > 3 else "")
-            raise ValueError(
-                f"{len(unknown)} name(s) are not plain (non-reversible) layers of this model: {shown}. "
-                f"Its plain layers are named like: {known or '(none)'}. Was the plan made for another model?"
-            )
+            raise unknown_names_error(unknown, list(layers), "layer", "plain (non-reversible) layers")
     bad = {name: opt for name, opt in wanted.items() if opt not in LAYER_OPTIONS}
     if bad:
         raise ValueError(f"layer options must be one of {LAYER_OPTIONS}; got {bad}")

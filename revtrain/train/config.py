@@ -18,6 +18,7 @@ from functools import cache
 from typing import Any, Literal
 
 from revtrain.errors import RevtrainError
+from revtrain.planner.profile_options import ProfileOptions
 
 __all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "OPTIMIZERS", "DEVICES", "AMP_DTYPES"]
 
@@ -32,8 +33,10 @@ class ConfigError(RevtrainError, ValueError):
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """Everything a training run depends on; saved in every checkpoint and in ``config.json``."""
+class TrainConfig(ProfileOptions):
+    """Everything a training run depends on; saved in every checkpoint and in ``config.json``.
+    With ``budget``, the planner measures as carefully as the inherited :class:`ProfileOptions`
+    say (the options ``revtrain plan`` has too)."""
 
     # --- what to train
     model: str = "revnet38"
@@ -138,6 +141,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _all_finite(self)
+        try:
+            self.check_profile_options()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         _at_least(self, "epochs", 1)
         _at_least(self, "batch_size", 1)
         _at_least(self, "accumulation", 1)
@@ -222,10 +229,19 @@ class TrainConfig:
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source (the CLI's help).
+    """The docstring under each field of a dataclass and of the dataclasses it inherits from, read
+    from their source (the CLI's help).
 
     Fields without a docstring are missing from the result.
     """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}

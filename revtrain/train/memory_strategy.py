@@ -79,7 +79,8 @@ def _plan_for_budget(model: nn.Module, config: TrainConfig, batch: Batch, device
     # plan_for_model leaves the model (weights, statistics, grads, modes) and the random
     # generators as they were, so planning does not change the run's results.
     return plan_for_model(model, batch, config.budget, loss_fn=loss_fn, make_optimizer=make_optimizer,
-                          device=device, model_name=config.model, measure=True, choices=config.choices)
+                          device=device, model_name=config.model, measure=True, choices=config.choices,
+                          **config.pipeline_options())
 
 
 def _task_loss(config: TrainConfig) -> LossFn:

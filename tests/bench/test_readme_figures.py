@@ -53,6 +53,20 @@ def test_results_readme_points_at_every_file_of_the_table() -> None:
             assert f"`{name}.md`" in index, f"results/README.md does not point at {name}.md (row {what!r})"
 
 
+def test_results_readme_answers_every_row_of_the_table_in_order() -> None:
+    """results/README.md's first table has one row per "at a glance" row, naming its files and
+    where in them the figure is."""
+    text = (ROOT / "results" / "README.md").read_text()
+    section = text[text.index("## The README's"):].split("\n## ")[0]
+    index = [line for line in section.splitlines() if line.startswith("|")][2:]
+    rows = glance_rows()
+    assert len(index) == len(rows), f"results/README.md indexes {len(index)} rows, the README has {len(rows)}"
+    for line, (what, _, files) in zip(index, rows):
+        _, named, where = (cell.strip() for cell in line.strip("|").split("|"))
+        assert re.findall(r"`([\w.]+)\.md`", named) == files, f"row {what!r}: the index names {named}"
+        assert where, f"row {what!r}: the index does not say where in {files} the figure is"
+
+
 def test_results_stay_few_and_named_by_suite_and_device() -> None:
     from revtrain.bench.runner import SUITES
 

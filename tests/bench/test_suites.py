@@ -38,6 +38,15 @@ def test_core(tmp_path: Path) -> None:
     assert all(r["verdict"] in ("faster", "slower", "no difference shown") for r in versus)
 
 
+def test_core_runs_exactly_the_methods_named(tmp_path: Path) -> None:
+    report = _run("core", tmp_path, shapes=("2x8x4x2",), methods=("C", "M"), repeats=2, warmup=0)
+    assert [r["method"] for r in report.table("steps").rows] == ["plain", "C", "M"]  # no peer added
+    assert [r["versus"] for r in report.table("m_versus").rows] == ["plain", "C"]
+    report = _run("core", tmp_path, shapes=("2x8x4x2",), methods=("plain", "checkpoint"), repeats=2, warmup=0)
+    assert [r["method"] for r in report.table("steps").rows] == ["plain", "checkpoint"]
+    assert report.table("m_versus").rows == []  # nothing to put M-mode against
+
+
 def test_zoo(tmp_path: Path) -> None:
     report = _run("zoo", tmp_path, models=("revnet38",), shapes=("8:4",), repeats=1, warmup=1)
     (row,) = report.table("steps").rows
@@ -57,6 +66,33 @@ def test_planner(tmp_path: Path) -> None:
         assert r["plan_peak_bytes"] <= r["budget_bytes"] and r["C_blocks"] <= r["blocks"]
     assert len(report.table("settings").rows) == 4 * len(plans)
     assert any("within the budget" in n for n in report.notes)
+    assert [t.name for t in report.tables][3:] == ["whole_model", "whole_model_settings", "whole_model_layers"]
+
+
+def test_planner_whole_model_alone_writes_its_own_report(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    report, paths = run_suite("planner", BenchOptions(quick=True, device="cpu", methods=("whole-model",)),
+                              log=lambda _: None)
+    assert [str(p) for p in paths] == ["results/tmp/planner_cpu_whole_model.md", "results/tmp/planner_cpu_whole_model.csv"]
+    assert [t.name for t in report.tables] == ["whole_model", "whole_model_settings", "whole_model_layers"]
+    rows = report.table("whole_model").rows
+    budgets = [r["budget_bytes"] for r in rows]
+    assert budgets == sorted(budgets, reverse=True) and rows[0]["c_fits"] == "yes" and rows[-1]["c_fits"] == "no"
+    for r in rows:
+        # Every option finds a plan at every budget down to the smallest, and its measured step
+        # memory keeps within the budget; M/C alone has none below all-M's step memory.
+        assert r["new_plan"] != "infeasible" and r["new_peak_bytes"] <= r["budget_bytes"]
+        assert (r["mc_plan"] == "infeasible") == (r["vs_all_M"] < 0)
+        if r["mc_plan"] != "infeasible":
+            assert r["mc_peak_bytes"] <= r["budget_bytes"]
+            assert r["new_over_mc_low"] <= r["new_over_mc"] <= r["new_over_mc_high"]
+    assert rows[-1]["b_fits"] == "yes"  # the smallest budget is checkpointing's step memory
+    assert {r["layer"] for r in report.table("whole_model_layers").rows} >= {"stem"}
+
+
+def test_planner_parts_are_checked() -> None:
+    with pytest.raises(ValueError, match="parts .--methods. are sweep, whole-model; got fast"):
+        run_suite("planner", BenchOptions(quick=True, device="cpu", methods=("fast",)), log=lambda _: None)
 
 
 def test_transformer(tmp_path: Path) -> None:
@@ -85,6 +121,15 @@ def test_petra(tmp_path: Path) -> None:
     assert [r["run"] for r in report.table("accuracy").rows] == ["backprop (J=1)", "PETRA J=2"]
     stages = report.table("stages").rows
     assert [(r["run"], r["stage"]) for r in stages] == [("backprop (J=1)", 0), ("PETRA J=2", 0), ("PETRA J=2", 1)]
+
+
+@pytest.mark.multiprocess
+def test_petra_rank_exit_alone(tmp_path: Path) -> None:
+    report = _run("petra", tmp_path, methods=("rank-exit",), repeats=1)
+    rows = report.table("rank_exit").rows
+    assert [(r["ending"], r["runs"]) for r in rows] == [("exit_rank", 1), ("normal", 1)]
+    assert rows[0]["failed"] == 0 and rows[0]["failed_codes"] == "-"  # exit_rank always ends cleanly
+    assert [t.name for t in report.tables] == ["rank_exit"] and report.title.startswith("PETRA's ranks")
 
 
 def test_compile_reads_the_gain_and_compilation_time_from_the_two_runs(tmp_path: Path, monkeypatch) -> None:

@@ -167,3 +167,56 @@ def test_the_options_come_from_the_config_docstrings(capsys):
         assert "--" + name.replace("_", "-") in text
         assert " ".join(doc.split())[:40] in text
     assert "--no-verify" in text and "(default: 128)" in text
+
+
+class _Stop(Exception):
+    """Raised by the spy once it has seen what the planner was asked for."""
+
+
+def _planner_kwargs(monkeypatch, tmp_path, *options: str) -> dict:
+    """What ``revtrain train --budget`` hands the planner (the spy stops the run there)."""
+    import revtrain.train.memory_strategy as strategy
+
+    seen: dict = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(strategy, "plan_for_model", spy)
+    with pytest.raises(_Stop):
+        main(["train", "--model", "revnet38", "--budget", "9MiB", "--device", "cpu", "--epochs", "1", "--quiet",
+              "--run-dir", str(tmp_path / "run"), *options])
+    return seen
+
+
+def test_train_budget_profiles_with_the_options_plan_has_one_definition_one_default(monkeypatch, tmp_path):
+    from revtrain.planner.command import PlanConfig
+    from revtrain.planner.profile_options import PROFILE_OPTIONS, ProfileOptions
+    from revtrain.train import TrainConfig
+
+    assert issubclass(TrainConfig, ProfileOptions) and issubclass(PlanConfig, ProfileOptions)
+    default = _planner_kwargs(monkeypatch, tmp_path)
+    plan_default = PlanConfig(model="revnet38")
+    assert default["timing"] == plan_default.timing_rule() and default["timing"].max_pairs == 5
+    assert (default["refine"], default["repeats"], default["max_repeats"]) == (plan_default.refine, 3, None)
+    given = _planner_kwargs(monkeypatch, tmp_path / "b", "--t-e-max-pairs", "2", "--t-e-precision", "0.2",
+                            "--refine", "0", "--repeats", "2", "--max-repeats", "4")
+    assert (given["timing"].max_pairs, given["timing"].precision) == (2, 0.2)
+    assert (given["refine"], given["repeats"], given["max_repeats"]) == (0, 2, 4)
+    assert set(PROFILE_OPTIONS) == {"repeats", "max_repeats", "refine", "t_e_precision", "t_e_max_pairs"}
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (("--t-e-max-pairs", "0"), "t_e_max_pairs (--t-e-max-pairs) must be an integer >= 1, got 0"),
+    (("--refine", "-1"), "refine (--refine) must be an integer >= 0, got -1"),
+    (("--repeats", "3", "--max-repeats", "2"), "max_repeats (--max-repeats) must be an integer >= 3, got 2"),
+    (("--t-e-precision", "1.5"), "t_e_precision (--t-e-precision) must be a fraction between 0 and 1"),
+])
+def test_bad_profile_options_are_refused_alike_by_plan_and_train(tiny_zoo, tmp_path, capsys, argv, words):
+    code, _, err = run(capsys, "--model", "tiny", "--device", "cpu", *argv)
+    assert code == 2 and words in err and err.count("\n") == 1
+    code = main(["train", "--budget", "9MiB", "--device", "cpu", "--run-dir", str(tmp_path / "run"), *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -79,8 +79,10 @@ def test_layer_options_are_set_from_outside_and_refuse_bad_names():
     assert "forward" in model.stem.__dict__ and type(model.stem).forward is before
     set_layer_options(model, "keep")
     assert "forward" not in model.stem.__dict__ and get_layer_options(model)["stem"] == "keep"
-    with pytest.raises(ValueError, match="not plain .non-reversible. layers of this model: nope"):
-        set_layer_options(model, {"nope": "recompute"})
+    with pytest.raises(ValueError, match=r"1 layer name\(s\) not in this model: nope\. The model's plain "
+                       r"\(non-reversible\) layers are named like: stem, down, head\. Was the plan made for another"):
+        set_layer_options(model, {"nope": "recompute", "stem": "recompute"})
+    assert get_layer_options(model)["stem"] == "keep"  # nothing changed
     with pytest.raises(ValueError, match="layer options must be one of"):
         set_layer_options(model, {"stem": "drop"})
 

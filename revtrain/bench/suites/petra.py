@@ -10,8 +10,12 @@ backprop, GPipe and 1F1B, and the paper's Table 3 in kind.
    ``torch.distributed.pipelining``'s GPipe and 1F1B on the same stages.
 3. **Memory per buffer setting** (not with ``--quick``): :mod:`revtrain.bench.suites.petra_table3`,
    input buffer and parameter stash on/off, summed over stages.
+4. **Rank exit** (``--methods rank-exit`` only): :mod:`revtrain.bench.suites.petra_rank_exit`, how
+   often a finished data-parallel rank dies at exit, with and without
+   :func:`~revtrain.parallel.distributed.exit_rank`; run alone, its report is
+   ``results/petra_<device>_rank_exit``.
 
-Parts 2 and 3 use the parallel package's internals; ``--methods accuracy`` runs part 1 only.
+Parts 2 to 4 use the parallel package's internals; ``--methods accuracy`` runs part 1 only.
 """
 
 from __future__ import annotations
@@ -24,14 +28,25 @@ import torch
 from revtrain.bench.report import Column, Report, Table
 from revtrain.bench.suites.train import train_run
 
-PARTS = ("accuracy", "throughput", "memory")
+PARTS = ("accuracy", "throughput", "memory", "rank-exit")
+DEFAULT_PARTS = PARTS[:3]
+"""What a run without --methods measures (rank-exit is a question of its own: name it)."""
+
+
+def _parts(options) -> tuple[str, ...]:
+    unknown = [p for p in options.methods if p not in PARTS]
+    if unknown:
+        raise ValueError(f"the petra suite's parts (--methods) are {', '.join(PARTS)}; got {', '.join(unknown)}")
+    return tuple(dict.fromkeys(options.methods)) or (("accuracy",) if options.quick else DEFAULT_PARTS)
+
+
+def report_suffix(options) -> str:
+    """``_rank_exit`` when that part runs alone: its report lives beside the suite's."""
+    return "_rank_exit" if _parts(options) == ("rank-exit",) else ""
 
 
 def run(options, device: torch.device, out: Path, log) -> Report:
-    parts = options.methods or (("accuracy",) if options.quick else PARTS)
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown:
-        raise ValueError(f"the petra suite's parts (--methods) are {', '.join(PARTS)}; got {', '.join(unknown)}")
+    parts = _parts(options)
     model = options.models[0] if options.models else "revnet38"
     tables = []
     if "accuracy" in parts:
@@ -71,11 +86,19 @@ def run(options, device: torch.device, out: Path, log) -> Report:
             note=("Per stage: parameters + the steady-state peak of its forwards and one backward (tensor bytes); "
                   "input buffer off = only non-reversible units keep inputs; parameter buffer off = rebuild with "
                   "the current weights (PETRA).")))
+    if "rank-exit" in parts:
+        from revtrain.bench.suites.petra_rank_exit import rank_exit_table
+
+        tables.append(rank_exit_table(options.pick(20, 1), log))
+    if parts == ("rank-exit",):
+        return Report("petra", "PETRA's ranks: ending a data-parallel rank", {}, tables, intro=_RANK_EXIT_INTRO)
     return Report("petra", "PETRA: accuracy, throughput and memory per stage", {}, tables, intro=_INTRO)
 
 
 _INTRO = ("Stage-parallel training with delayed gradients (`revtrain train --stages J`). Accuracy runs use the public "
           "command; throughput and the Table 3 memory drive the parallel package directly.")
+_RANK_EXIT_INTRO = ("How often a finished data-parallel rank dies at exit (`revtrain bench petra --methods rank-exit`), "
+                    "with and without `revtrain.parallel.distributed.exit_rank`.")
 
 
 def accuracy_tables(model: str, options, log) -> list[Table]:

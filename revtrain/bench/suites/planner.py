@@ -1,10 +1,16 @@
-"""Planner suite: the plan against baseline-M (all M-mode) and baseline-C (all C-mode) across batch
-sizes under one memory budget per model (:func:`revtrain.bench.batch_sweep.run_planner_benchmark`).
+"""Planner suite, two parts (``--methods`` picks them; default both):
 
-Per batch size: verify, profile (t_e, m_i, m_o), solve the knapsack (``plan (refine=0)``, the
-paper's plan), refine against measured peaks (``plan``), then one measurement in which the four
-settings' steps alternate, and one step per setting under the memory tracker. The figures (the
-paper's Fig. 4 heat map and Fig. 5 step times) are written beside the report.
+* ``sweep``: the plan against baseline-M (all M-mode) and baseline-C (all C-mode) across batch
+  sizes under one memory budget per model (:func:`revtrain.bench.batch_sweep.run_planner_benchmark`).
+  Per batch size: verify, profile (t_e, m_i, m_o), solve the knapsack (``plan (refine=0)``, the
+  paper's plan), refine against measured peaks (``plan``), then one measurement in which the four
+  settings' steps alternate, and one step per setting under the memory tracker. The figures (the
+  paper's Fig. 4 heat map and Fig. 5 step times) are written beside the report.
+* ``whole-model``: the fastest step under budgets from plain backprop's step memory down to the
+  smallest that recomputing the non-reversible layers allows, against Jiang et al.'s M/C-only plan,
+  checkpointing with every block in M-mode and plain backprop
+  (:mod:`revtrain.bench.suites.planner_whole_model`). Run alone, its report is
+  ``results/planner_<device>_whole_model``.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 
 from revtrain.bench.batch_sweep import PlannerBenchConfig, run_planner_benchmark, summary_lines, to_sweep_result
 from revtrain.bench.report import Column, Report, Table
+from revtrain.bench.suites.planner_whole_model import QUICK_CASE, WholeModelCase, whole_model_tables
 
 MODELS: dict[str, dict] = {
     "revnet110": {},
@@ -26,7 +33,52 @@ QUICK = {"revnet38": {"input_shape": (3, 8, 8), "batch_sizes": (2, 4), "budget":
                       "refine": 1, "t_e_max_pairs": 5}}
 
 
+PARTS = ("sweep", "whole-model")
+
+
+def parts(options) -> tuple[str, ...]:
+    """The parts ``--methods`` names (default: both); an unknown one is refused."""
+    unknown = [p for p in options.methods if p not in PARTS]
+    if unknown:
+        raise ValueError(f"the planner suite's parts (--methods) are {', '.join(PARTS)}; got {', '.join(unknown)}")
+    return tuple(dict.fromkeys(options.methods)) or PARTS
+
+
+def report_suffix(options) -> str:
+    """``_whole_model`` when that part runs alone: its report lives beside the sweep's."""
+    return "_whole_model" if parts(options) == ("whole-model",) else ""
+
+
 def run(options, device: torch.device, out: Path, log) -> Report:
+    chosen = parts(options)
+    tables: list[Table] = []
+    notes: list[str] = []
+    figures: list[str] = []
+    if "sweep" in chosen:
+        tables, notes, figures = _sweep(options, device, out, log)
+    if "whole-model" in chosen:
+        found, found_notes = whole_model_tables(_whole_model_case(options), device, log)
+        tables += found
+        notes += found_notes
+    return Report("planner", "Planner: " + "; ".join(_TITLES[p] for p in chosen), {}, tables, intro=" ".join(_INTROS[p] for p in chosen), notes=notes,
+                  figures=figures)
+
+
+def _whole_model_case(options) -> WholeModelCase:
+    base = QUICK_CASE if options.quick else WholeModelCase()
+    fields = {}
+    if options.models:
+        fields["models"] = tuple(options.models)
+    if options.shapes:
+        if len(options.shapes) != 1:
+            raise ValueError(f"the whole-model part plans one batch size (--shapes 64); got {' '.join(options.shapes)}")
+        fields["batch_size"] = int(options.shapes[0])
+    if options.repeats is not None:
+        fields["rounds"] = options.repeats
+    return WholeModelCase(**{**base.__dict__, **fields})
+
+
+def _sweep(options, device: torch.device, out: Path, log) -> tuple[list[Table], list[str], list[str]]:
     cases = {m: MODELS.get(m, {}) for m in options.models} if options.models else (QUICK if options.quick else MODELS)
     plans, settings, costs, notes, figures = [], [], [], [], []
     for model, case in cases.items():
@@ -100,10 +152,15 @@ def run(options, device: torch.device, out: Path, log) -> Report:
          Column("measured_M_minus_C_s", "measured M − C", "ms")],
         costs,
     )
-    return Report("planner", "Planner: the plan against all-M and all-C across batch sizes", {},
-                  [plan_table, setting_table, cost_table], intro=_INTRO, notes=notes, figures=figures)
+    return [plan_table, setting_table, cost_table], notes, figures
 
 
-_INTRO = ("Per model and batch size: verify, profile (t_e, m_i, m_o), solve the knapsack (`plan (refine=0)`, the "
+_TITLES = {"sweep": "the plan against all-M and all-C across batch sizes",
+           "whole-model": "the whole model, recompute for plain layers and M/C for reversible ones"}
+_INTROS = {"sweep": ("Per model and batch size: verify, profile (t_e, m_i, m_o), solve the knapsack (`plan (refine=0)`, the "
           "paper's plan), refine against measured peaks (`plan`), then measure the four settings in alternating "
-          "rounds and one step of each under the memory tracker. One budget per model for every batch size.")
+          "rounds and one step of each under the memory tracker. One budget per model for every batch size."),
+           "whole-model": ("Per model, one profile of every layer's options serves budgets from plain backprop's step "
+                           "memory down to the smallest that recomputing every plain layer allows; at each, the plan "
+                           "with every option (new) and the M/C-only plan (a) are measured beside checkpointing with "
+                           "every block in M-mode (b) and plain backprop (c).")}

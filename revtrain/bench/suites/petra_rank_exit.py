@@ -1,4 +1,6 @@
-"""How often a finished data-parallel rank dies at exit: the minimal case, run many times.
+"""The PETRA suite's ``rank-exit`` part: how often a finished data-parallel rank dies at exit
+(``revtrain bench petra --methods rank-exit``; run alone, its report is
+``results/petra_<device>_rank_exit``).
 
 Two gloo ranks each take one DDP step and one FSDP2 step on a small reversible model, destroy
 the process group and end, either
@@ -9,18 +11,15 @@ the process group and end, either
 
 DDP's reducer and FSDP2's mesh keep the gloo group alive past ``destroy_process_group()``, and
 its threads can race finalization: the process then aborts (SIGABRT, "terminate called without
-an active exception") after its work was done. Counts the runs in which any rank did not exit
-with 0.
-
-    python benchmarks/rank_exit.py --runs 20 --ending exit_rank normal
+an active exception") after its work was done. The part counts the runs in which any rank did
+not exit with 0.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,13 +28,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from revtrain.bench import machine_info
-from revtrain.bench.results import write_result
+from revtrain.bench.report import Column, Table
 from revtrain.core import ReversibleBlock, ReversibleSequence
 from revtrain.parallel.data_parallel import replicate, shard
 from revtrain.parallel.distributed import exit_rank
 
-ROOT = Path(__file__).resolve().parent.parent
+__all__ = ["ENDINGS", "rank_exit_table", "run_once"]
+
+ENDINGS = ("exit_rank", "normal")
 
 
 def _model() -> nn.Module:
@@ -59,7 +59,7 @@ def _rank(rank: int, world: int, store: str, ending: str) -> None:
 
 
 def run_once(ending: str) -> list[int | None]:
-    """The ranks' exit codes (negative: killed by that signal)."""
+    """The two ranks' exit codes for one run ending as ``ending`` (negative: killed by that signal)."""
     with tempfile.TemporaryDirectory(prefix="revtrain-exit-") as scratch:
         ctx = mp.start_processes(_rank, args=(2, str(Path(scratch) / "store"), ending), nprocs=2, join=False,
                                  start_method="spawn")
@@ -68,28 +68,23 @@ def run_once(ending: str) -> list[int | None]:
         return [p.exitcode for p in ctx.processes]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--ending", nargs="+", default=["exit_rank", "normal"], choices=["exit_rank", "normal"])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "petra_cpu_rank_exit")
-    args = parser.parse_args(argv)
-    rows = {}
-    for ending in args.ending:
+def rank_exit_table(runs: int, log: Callable[[str], None]) -> Table:
+    """``runs`` runs of each ending; one row per ending."""
+    rows = []
+    for ending in ENDINGS:
         start = time.perf_counter()
-        codes = [run_once(ending) for _ in range(args.runs)]
+        codes = [run_once(ending) for _ in range(runs)]
         failed = [c for c in codes if any(code != 0 for code in c)]
-        rows[ending] = {"runs": args.runs, "failed": len(failed), "failed_codes": failed,
-                        "seconds": round(time.perf_counter() - start, 1)}
-        print(f"{ending}: {len(failed)} of {args.runs} runs had a rank end with a non-zero code {failed}", flush=True)
-    lines = ["# Ending a data-parallel rank: runs in which a rank did not exit with 0", "",
-             f"Command: `python benchmarks/rank_exit.py --runs {args.runs} --ending {' '.join(args.ending)}`; "
-             f"load average at the end {os.getloadavg()[0]:.1f}.", "",
-             "| ending | runs | failed | exit codes of failed runs |", "|---|---:|---:|---|"]
-    lines += [f"| {k} | {v['runs']} | {v['failed']} | {v['failed_codes'] or '-'} |" for k, v in rows.items()]
-    write_result(args.out, "\n".join(lines) + "\n", {"machine": machine_info("cpu"), "results": rows})
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+        log(f"rank exit, {ending}: {len(failed)} of {runs} runs had a rank end with a non-zero code {failed}")
+        rows.append({"ending": ending, "runs": runs, "failed": len(failed),
+                     "failed_codes": "; ".join(str(c) for c in failed) or "-",
+                     "wall_s": time.perf_counter() - start})
+    return Table(
+        "rank_exit", "Ending a data-parallel rank: runs in which a rank did not exit with 0",
+        [Column("ending", "ending"), Column("runs", "runs", "int"), Column("failed", "failed", "int"),
+         Column("failed_codes", "exit codes of failed runs"), Column("wall_s", "wall", "s")],
+        rows,
+        note=("Two gloo ranks, one DDP and one FSDP2 step each on a small reversible model, then the ending: "
+              "`exit_rank` (destroy, flush, `os._exit`) or a normal return through the interpreter's finalization. "
+              "A negative code is the signal that killed the rank (-6: SIGABRT)."),
+    )
