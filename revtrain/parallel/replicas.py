@@ -41,7 +41,7 @@ from revtrain.parallel.data_parallel import full_state_dict, replicate, shard
 from revtrain.parallel.distributed import check_backend, init_from_env
 from revtrain.parallel.errors import PipelineConfigError
 from revtrain.train import Trainer
-from revtrain.train.engine import Batch, backward_share
+from revtrain.train.engine import Batch, GradientEngine, backward_share, refuse_stages
 from revtrain.train.environment import resolve_device
 from revtrain.train.optim import build_optimizer, build_scheduler
 from revtrain.train.resume import resolve_run
@@ -56,7 +56,7 @@ UNSUPPORTED = {
 """``revtrain train`` options that a data-parallel run refuses, and what to do instead."""
 
 
-class DataParallelEngine:
+class DataParallelEngine(GradientEngine):
     """The :class:`~revtrain.train.engine.Engine` of one of N data-parallel processes (module docstring).
 
     Args:
@@ -77,6 +77,7 @@ class DataParallelEngine:
         return f"data parallel over {self.world} processes ({what}), each on 1/{self.world} of every batch"
 
     def attach(self, trainer: Trainer) -> None:
+        refuse_stages(trainer)
         self._check_slices(trainer)
         self.model = trainer.model
         if self.sharded:

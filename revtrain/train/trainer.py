@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import signal
 import sys
@@ -163,9 +164,12 @@ class Trainer:
         self.metrics: MetricsWriter | None = None
         if self.engine.writes_files:
             self.folder.open(log=self._log)
+        self.resumed_state = run.state
+        """The checkpoint resumed from (read by the engine's ``attach``; None afterwards)."""
         try:
             self._open_run(run)
             self.engine.attach(self)
+            self.resumed_state = None
         except BaseException:
             self._discard_if_unsaved(say=False)  # the user never saw this folder
             raise
@@ -289,23 +293,18 @@ class Trainer:
     def train_step(self, *batches: Batch) -> tuple[float, dict[str, float]]:
         """One optimizer step on ``accumulation`` micro-batches (their gradients averaged, each
         weighted by its samples, as one batch of all of them): returns the step's mean loss and
-        the task's sums over every micro-batch and process.
+        the task's sums over every micro-batch and process (NaN and the sums of what finished,
+        when the engine's pipeline finished no micro-batch in this step).
 
         Raises:
             TrainingDivergedError: the loss diverged; the update was not applied.
         """
-        self.optimizer.zero_grad(set_to_none=True)
-        total = sum(len(b[1]) for b in batches)
-        loss: torch.Tensor | float = 0.0
-        sums: dict[str, float] = {}
-        for i, batch in enumerate(batches):
-            share, mine = self.forward_backward(batch, total=total, last=i == len(batches) - 1)
-            loss = loss + share
-            add_sums(sums, mine)
-        sums, value = self.engine.all_sum(sums, torch.as_tensor(loss))
-        self._check_divergence(value)
-        self.optimizer_step()
-        return value, sums
+        loss, sums = self.engine.step(self, batches)
+        sums, value = self.engine.all_sum(sums, loss)
+        if value is not None:  # None: no micro-batch finished its loss in this step (a filling pipeline)
+            self._check_divergence(value)
+        self.engine.apply(self)
+        return (float("nan") if value is None else value), sums
 
     def forward_backward(self, batch: Batch, *, total: int | None = None,
                          last: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
@@ -335,8 +334,17 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        self.advance_schedule()
+
+    def advance_schedule(self) -> None:
+        """Count one optimizer step: the learning-rate schedule and the step count move on."""
         self.scheduler.step()
         self.progress.step += 1
+
+    @property
+    def epoch_done(self) -> bool:
+        """Whether the training loader has given the current epoch's last micro-batch."""
+        return self.train_loader.next_batch >= self.batches_per_epoch
 
     def _check_divergence(self, loss: float) -> None:
         reason = divergence_reason(loss, self.progress.reference_loss, self.config.divergence_factor)
@@ -390,7 +398,8 @@ class Trainer:
         mem_bytes, mem_kind = self._memory
         if self.step % self.config.log_every == 0:
             assert self.metrics is not None
-            self.metrics.write("step", step=self.step, epoch=epoch, loss=self.last_loss,
+            self.metrics.write("step", step=self.step, epoch=epoch,
+                               loss=None if math.isnan(self.last_loss) else self.last_loss,
                                **{k: v for k, v in running.items() if k != "loss"}, lr=lr,
                                samples_per_s=stats.throughput, memory_bytes=mem_bytes, memory_kind=mem_kind)
         if not bar.disable:
@@ -466,6 +475,7 @@ class Trainer:
         """
         if self._phase == "step":
             raise RuntimeError("cannot checkpoint in the middle of a training step")
+        self.engine.settle(self)
         state = self.engine.full_state(self.state.capture(self.config))
         bad = non_finite_entries(state["model"])
         if bad:  # every process sees the same weights, so every process stops here
@@ -519,6 +529,7 @@ class Trainer:
         return next(iter(probe))
 
     def _summarize(self) -> dict[str, Any]:
+        extra, extra_lines = self.engine.report(self)  # every process: it may gather
         if not self.engine.writes_files:
             return {}
         p, this = self.progress, self._this_process
@@ -562,6 +573,8 @@ class Trainer:
                 f"step memory (batch {report.batch_size}, {modes}): {format_bytes(report.run_bytes)}; "
                 f"plain backprop needs {format_bytes(report.plain_bytes)} ({report.ratio:.2f}x)"
             )
+        summary.update(extra)
+        lines += extra_lines
         angle_line = self.grad_angles.summary_line() if self.grad_angles is not None else None
         if angle_line is not None:
             lines.append(angle_line)
