@@ -159,7 +159,7 @@ def test_a_killed_worker_ends_a_cli_run_with_a_clear_message(flags: list[str], w
     assert who in err and "killed by SIGKILL" in err and "StageFailedError" in err, err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])  # one Ctrl-C: test_engine_conformance.py
 def test_a_signal_to_the_launcher_ends_every_rank_and_saves_a_checkpoint(sig: signal.Signals, tmp_path: Path) -> None:
     """SIGTERM and one Ctrl-C (SIGINT) reach every rank once (the agent forwards them): the run
     saves a checkpoint at one step on every rank and ends with 128 + the signal. ``kill -9`` of
