@@ -181,6 +181,10 @@ class PetraEngine:
         count = total.get("count", 0.0)
         return total, (total["loss_sum"] / count if count else None)
 
+    def forward_backward(self, trainer: Trainer, batch: Batch, total: int, *, last: bool) -> Any:
+        raise PipelineConfigError("a PETRA step runs its micro-batches through the pipeline of stages "
+                                  "(Trainer.train_step); there is no forward-backward of one micro-batch alone")
+
     def _start(self, epoch: int) -> None:
         self._sizes = []
         if self._sim is not None:

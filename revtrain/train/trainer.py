@@ -2,21 +2,23 @@
 
 The Trainer owns the run (config, folder, epochs, evaluation, metrics, checkpoints,
 interrupts, resume, the memory report); an :class:`~revtrain.train.engine.Engine` owns how the
-gradients of one step are computed and how the processes of a run agree (one process:
-:class:`~revtrain.train.engine.LocalEngine`; DDP and FSDP2: :mod:`revtrain.parallel.replicas`).
-The loop never asks which engine it has.
+micro-batches of one step become an update and how the processes of a run agree (one process:
+:class:`~revtrain.train.engine.LocalEngine`; DDP and FSDP2: :mod:`revtrain.parallel.replicas`;
+PETRA's stages: :mod:`revtrain.parallel.petra_engine`). The loop never asks which engine it has.
 
-A step (:meth:`Trainer.train_step`) takes ``accumulation`` micro-batches: for each,
-:meth:`Trainer.forward_backward` runs the model and the task's loss and backpropagates the
-micro-batch's share of the step's mean loss (gradients accumulate); then
-:meth:`Trainer.optimizer_step` applies the update and advances the schedule, which counts
-optimizer steps. What is learnt (loss, metrics, their formatting, the example batch of the
-memory report) comes from a :class:`~revtrain.tasks.Task`.
+A step (:meth:`Trainer.train_step`) takes ``accumulation`` micro-batches: the engine's
+:meth:`~revtrain.train.engine.Engine.step` runs them (for the gradient engines,
+:meth:`Trainer.forward_backward` runs the model and the task's loss and backpropagates each
+micro-batch's share of the step's mean loss, so gradients accumulate), the loss is checked for
+divergence, then the engine applies the update (:meth:`Trainer.optimizer_step`) and the
+schedule, which counts optimizer steps, moves on. What is learnt (loss, metrics, their
+formatting, the example batch of the memory report) comes from a :class:`~revtrain.tasks.Task`.
 
 The loop follows :mod:`revtrain.data.loader`: the training loader knows its position, every
 other piece of state is in :class:`~revtrain.train.state.TrainingState`, and
 :meth:`Trainer.save_checkpoint` writes all of it between two steps, so a resumed run (mid-epoch
-too) computes exactly what the uninterrupted run would have (bit for bit on CPU).
+too) computes exactly what the uninterrupted run would have (bit for bit on CPU; PETRA's engine
+drains its pipeline before a checkpoint inside an epoch, so there from an epoch's end).
 
 Ctrl-C or SIGTERM asks the loop to stop after the current step; it then saves a checkpoint,
 prints how to resume and raises :class:`TrainingInterrupted`. A second signal aborts at once.
