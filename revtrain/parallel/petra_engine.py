@@ -135,6 +135,10 @@ class PetraEngine:
                 stage_ranks=[s * n + replica for s in range(j)])
             self._pipe.worker.replica_group = _replica_group(trainer.device, j, n)
             self.tickers = [self._pipe.ticker]
+            for stage in stages:  # this process keeps its own stage only (checkpoints gather the stages)
+                if stage is not self._pipe.stage:
+                    for t in [*stage.parameters(), *stage.buffers()]:
+                        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
         if saved is not None:
             folder = Path(str(c.resume)).parent / "checkpoints"
             for t in self._my_files():

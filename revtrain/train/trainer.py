@@ -166,6 +166,8 @@ class Trainer:
         self.metrics: MetricsWriter | None = None
         if self.engine.writes_files:
             self.folder.open(log=self._log)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        """Parameters of the whole model (an engine may keep only a part of them in this process)."""
         self.resumed_state = run.state
         """The checkpoint resumed from (read by the engine's ``attach``; None afterwards)."""
         try:
@@ -598,7 +600,7 @@ class Trainer:
     def _header(self) -> str:
         info, modes = self.data_info, get_modes(self.model)
         counts = f"{sum(m == 'M' for m in modes.values())} M / {sum(m == 'C' for m in modes.values())} C"
-        params = sum(p.numel() for p in self.model.parameters())
+        params = self.num_params
         return (
             f"revtrain: {self.config.model} ({params / 1e6:.2f}M params, "
             f"{f'{len(modes)} reversible blocks: {counts}' if modes else 'no reversible blocks'}) on "
