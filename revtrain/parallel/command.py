@@ -24,7 +24,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
 from revtrain.train.config import TrainConfig
@@ -92,11 +92,16 @@ def run_parallel(argv: Sequence[str], train_given: dict[str, Any], parallel_give
     if config.stages is not None:
         _check_petra(config, parallel)
         if config.engine == "simulator":
+            if torchrun and int(os.environ["WORLD_SIZE"]) > 1:
+                raise PipelineConfigError("--engine simulator runs every stage in one process, and torchrun started "
+                                          f"{os.environ['WORLD_SIZE']}; use --engine processes, or start one process")
             return None
+    if torchrun:  # this process is one rank: it trains instead of launching
+        _run_rank(train_given, parallel, config.stages)
     try:
         if config.stages is not None:
-            return _run_petra(list(argv), train_given, parallel, config.stages, torchrun)
-        return _run_data_parallel(list(argv), train_given, parallel, torchrun)
+            return _run_petra(list(argv), train_given, parallel, config.stages)
+        return _run_data_parallel(list(argv), train_given, parallel)
     except StageFailedError as err:
         print(f"revtrain train: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
@@ -150,15 +155,24 @@ def check_petra_split(config: TrainConfig) -> None:
         plan_segments(stage, config.input_buffer)  # refuses input_buffer="none" on a non-reversible stage
 
 
-def _run_petra(argv: list[str], train_given: dict[str, Any], parallel: ParallelConfig, stages: int,
-               torchrun: bool) -> int:
-    from revtrain.parallel.launch import launch_ranks, run_rank
+def _run_rank(train_given: dict[str, Any], parallel: ParallelConfig, stages: int | None) -> NoReturn:
+    """One rank of the run (started by the local launcher or torchrun): the Trainer with its engine."""
+    from revtrain.parallel.launch import run_rank
     from revtrain.parallel.petra_engine import run_petra_rank
+    from revtrain.parallel.replicas import run_data_parallel_rank
+
+    if stages is not None:
+        run_rank(lambda: run_petra_rank(train_given, parallel.data_parallel or 1, backend=parallel.backend,
+                                        timeout=parallel.timeout))
+    run_rank(lambda: run_data_parallel_rank(train_given, parallel.data_parallel, sharded=parallel.shard,
+                                            backend=parallel.backend, timeout=parallel.timeout))
+
+
+def _run_petra(argv: list[str], train_given: dict[str, Any], parallel: ParallelConfig, stages: int) -> int:
+    from revtrain.parallel.launch import launch_ranks
     from revtrain.parallel.replicas import prepare_data_parallel
 
     n = parallel.data_parallel or 1
-    if torchrun:  # this process is one stage
-        run_rank(lambda: run_petra_rank(train_given, n, backend=parallel.backend, timeout=parallel.timeout))
     check_petra_split(TrainConfig(**train_given))
     extra = prepare_data_parallel(train_given, stages * n, backend=parallel.backend)
     role = (lambda r: f"stage {r}") if n == 1 else (lambda r: f"stage {r // n}, replica {r % n}")
@@ -166,15 +180,12 @@ def _run_petra(argv: list[str], train_given: dict[str, Any], parallel: ParallelC
     return 0
 
 
-def _run_data_parallel(argv: list[str], train_given: dict[str, Any], parallel: ParallelConfig, torchrun: bool) -> int:
-    from revtrain.parallel.launch import launch_ranks, run_rank
-    from revtrain.parallel.replicas import prepare_data_parallel, run_data_parallel_rank
+def _run_data_parallel(argv: list[str], train_given: dict[str, Any], parallel: ParallelConfig) -> int:
+    from revtrain.parallel.launch import launch_ranks
+    from revtrain.parallel.replicas import prepare_data_parallel
 
     world = parallel.data_parallel
     assert world is not None
-    if torchrun:  # this process is one rank
-        run_rank(lambda: run_data_parallel_rank(train_given, world, sharded=parallel.shard,
-                                                backend=parallel.backend, timeout=parallel.timeout))
     extra = prepare_data_parallel(train_given, world, backend=parallel.backend)
     launch_ranks([*argv, *extra], world, role=lambda r: f"replica {r} of {world}", run="data-parallel run",
                  port=parallel.port)

@@ -63,3 +63,13 @@ def test_a_resume_keeps_the_split_and_refuses_another(tmp_path: Path, capsys: py
     summary = json.loads((run / "summary.json").read_text())
     assert summary["petra"]["split"] == [6, 3] and summary["steps"] == 4
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["stage0-step4.pt", "stage1-step4.pt"]
+
+
+def test_the_simulator_under_torchrun_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """N simulators in one folder would each train the whole run: refused before anything is written."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", "--stages", "2", "--engine", "simulator", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "use --engine processes, or start one process" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
