@@ -10,8 +10,11 @@ gradients of a step's micro-batches are computed and how the processes of a run 
   the whole step's mean loss);
 - :meth:`Engine.all_sum` adds the task's sums (and the loss) over the run's processes;
 - :meth:`Engine.eval_sums` evaluates one test batch, summed over the processes;
-- :meth:`Engine.full_state` turns the captured training state into the single-process
-  checkpoint format (gathering shards);
+- :meth:`Engine.checkpoint_store` says where and how checkpoints are written: one file in
+  the single-process format (:class:`~revtrain.train.checkpoint_store.FileStore`; an engine
+  whose processes hold parts of the state passes the function that assembles them) or one
+  ``torch.distributed.checkpoint`` folder per saved step, each process writing its shards
+  (:class:`~revtrain.train.checkpoint_store.FolderStore`);
 - :attr:`Engine.writes_files` says whether this process writes the run folder and the log.
 
 :class:`LocalEngine` is the single process; the data-parallel engine (DDP, FSDP2) lives in
@@ -24,6 +27,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+from revtrain.train.checkpoint_store import CheckpointStore, FileStore
 
 if TYPE_CHECKING:
     from revtrain.train.trainer import Trainer
@@ -68,11 +73,11 @@ class Engine(Protocol):
     def eval_sums(self, trainer: Trainer, batch: Batch) -> dict[str, float]:
         """The task's sums over one test batch, added over the run's processes."""
 
-    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The captured training state in the single-process format (every process calls it)."""
+    def checkpoint_store(self, trainer: Trainer) -> CheckpointStore:
+        """Where and how the run's checkpoints are written (called once, before ``attach``)."""
 
     def saved(self) -> None:
-        """Called on every process once the writer saved a checkpoint (a barrier)."""
+        """Called on every process once the writer saved a checkpoint file (a barrier)."""
 
     def agree_stop(self, signum: int | None) -> int | None:
         """The stop request of any process (a signal number), so that every process stops at the same step."""
@@ -90,6 +95,9 @@ class LocalEngine:
     def attach(self, trainer: Trainer) -> None:
         pass
 
+    def checkpoint_store(self, trainer: Trainer) -> CheckpointStore:
+        return FileStore(trainer)
+
     def forward_backward(self, trainer: Trainer, batch: Batch, total: int, *,
                          last: bool) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = trainer.on_device(batch)
@@ -103,9 +111,6 @@ class LocalEngine:
         with trainer.autocast():
             output = trainer.model(x)
         return trainer.task.batch_sums(output, y)
-
-    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state
 
     def saved(self) -> None:
         pass
