@@ -1,5 +1,6 @@
 """Data-parallel checkpoints (torch.distributed.checkpoint folders) resume with another number of
-processes: 1 -> 2 and 2 -> 1, DDP and FSDP2, on gloo, exactly (float64).
+processes: 1 -> 2 and 2 -> 1, DDP and FSDP2, on gloo, exactly (float64); a single-process
+run's checkpoint.pt continues sharded on two processes.
 
 Every run trains the same float64 reversible net on digits (group norms: no batch statistics,
 so N slices of a batch give the whole batch's gradient up to the order of float additions) for
@@ -98,6 +99,7 @@ def two_process_rank(rank: int, world: int, out_dir: str) -> None:
         _resume(Path(out_dir, f"{kind}-1to2"), sharded)
         _train_until_3(Path(out_dir, f"{kind}-2to1"), sharded)
         dist.barrier()
+    _resume(Path(out_dir, "file-to-fsdp"), True)  # a single-process run's checkpoint.pt, sharded
 
 
 def test_data_parallel_runs_resume_exactly_with_another_number_of_processes(tmp_path: Path) -> None:
@@ -105,10 +107,14 @@ def test_data_parallel_runs_resume_exactly_with_another_number_of_processes(tmp_
     reference.fit()
     want = reference.model.state_dict()
     run_ranks(one_process_rank, 1, str(tmp_path))
+    single = tmp_path / "file-to-fsdp"
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(_config(single), model=_net(), callbacks=[_stop_after_3]).fit()
+    assert latest_checkpoint(single) == single / "checkpoint.pt"
     for kind in KINDS:
         folder = latest_checkpoint(tmp_path / f"{kind}-1to2")
         assert folder is not None and folder.name == "step-00000003"
-    run_ranks(two_process_rank, 2, str(tmp_path))
+    run_ranks(two_process_rank, 2, str(tmp_path), timeout=300.0)  # a hang guard for five short trainings
     # FSDP2 on two processes: each wrote its own shards, neither the whole model
     shards = sorted((tmp_path / "fsdp-2to1" / "checkpoints" / "step-00000003").glob("__*.distcp"))
     sizes = [p.stat().st_size for p in shards]
@@ -117,7 +123,9 @@ def test_data_parallel_runs_resume_exactly_with_another_number_of_processes(tmp_
         run = tmp_path / f"{kind}-2to1"
         assert (run / "checkpoints" / "step-00000003" / MANIFEST_NAME).is_file()
         Trainer(_config(run, resume=str(run)), model=_net()).fit()
-    for name in ("ddp-1to2", "fsdp-1to2", "ddp-2to1", "fsdp-2to1"):
+    assert latest_checkpoint(single) == single / "checkpoints" / "step-00000004"  # checkpoint.pt superseded
+    assert not (single / "checkpoint.pt").exists()
+    for name in ("ddp-1to2", "fsdp-1to2", "ddp-2to1", "fsdp-2to1", "file-to-fsdp"):
         latest = latest_checkpoint(tmp_path / name)
         assert latest is not None
         state = read_checkpoint(latest)
