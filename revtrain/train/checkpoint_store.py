@@ -97,6 +97,11 @@ class FolderStore:
     """One ``torch.distributed.checkpoint`` folder per saved step (module docstring)."""
 
     def __init__(self, trainer: Trainer) -> None:
+        # Imported now, not in the first save: a save that a stop signal asks for should not
+        # wait for torch to import DCP (seconds on a busy machine).
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+
         self.trainer = trainer
         c = trainer.config
         self.keep = c.keep_checkpoints or 0
