@@ -54,6 +54,7 @@ from revtrain.parallel.simulator import Simulator
 from revtrain.parallel.timing import time_units
 from revtrain.parallel.units import model_units
 from revtrain.tasks import add_sums
+from revtrain.train.checkpoint_store import FileStore
 from revtrain.train.engine import Batch
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ class PetraEngine:
             raise PipelineConfigError(f"{self.world} processes for {j} stages x {n} replicas: PETRA runs one process "
                                       f"per stage and replica; start {j * n} processes")
         self._trainer = trainer
+        if trainer.resumed_state is not None:  # a data-parallel run's checkpoint folder: load it before the cut
+            trainer.state.restore_tensors(trainer.resumed_state, c.resume)
         saved = (trainer.resumed_state or {}).get("petra")
         x, y = trainer.on_device(trainer.first_batch())
         stages = split_model(trainer.model, j, self._split(trainer, x, saved))
@@ -263,7 +266,14 @@ class PetraEngine:
         self._drain()
         trainer.progress.epoch.add(self._gather_sums(self._take_sums()), 0, 0.0)
 
-    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
+    def checkpoint_store(self, trainer: Trainer) -> FileStore:
+        """``checkpoint.pt`` in the single-process format, its model assembled from the stages on
+        rank 0 (:meth:`_full_state`); every stage also writes its own file."""
+        return FileStore(trainer, self._full_state)
+
+    def _full_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Write this process's stage files and gather every stage's weights into ``state`` on
+        rank 0 (every process calls it)."""
         trainer = self._trainer
         assert trainer is not None
         step, folder = trainer.step, trainer.run_dir / "checkpoints"

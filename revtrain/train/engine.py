@@ -10,8 +10,12 @@ micro-batches become an update and how the processes of a run agree:
   the processes and gives the step's loss; :meth:`Engine.apply` makes the update once the
   trainer checked the loss;
 - :meth:`Engine.eval_sums` evaluates one test batch, summed over the processes;
-- :meth:`Engine.full_state` turns the captured training state into the checkpoint format
-  (gathering shards or stages), once :meth:`Engine.settle` finished what was in flight;
+- :meth:`Engine.settle` finishes what is in flight before a checkpoint;
+  :meth:`Engine.checkpoint_store` says where and how checkpoints are written: one file in
+  the single-process format (:class:`~revtrain.train.checkpoint_store.FileStore`; an engine
+  whose processes hold parts of the state, such as PETRA's stages, passes the function that
+  assembles them) or one ``torch.distributed.checkpoint`` folder per saved step, each process
+  writing its shards (:class:`~revtrain.train.checkpoint_store.FolderStore`);
   :meth:`Engine.saved` follows every checkpoint;
 - :meth:`Engine.report` adds the engine's own entries to the finished run's summary;
 - :attr:`Engine.writes_files` says whether this process writes the run folder and the log.
@@ -31,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from revtrain.tasks import add_sums
+from revtrain.train.checkpoint_store import CheckpointStore, FileStore
 from revtrain.train.config import ConfigError
 
 if TYPE_CHECKING:
@@ -76,8 +81,8 @@ class Engine(Protocol):
     def settle(self, trainer: Trainer) -> None:
         """Before a checkpoint: finish what is in flight, so that the state can be captured (every process calls it)."""
 
-    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The captured training state in the single-process format (every process calls it)."""
+    def checkpoint_store(self, trainer: Trainer) -> CheckpointStore:
+        """Where and how the run's checkpoints are written (called once, before ``attach``)."""
 
     def saved(self) -> None:
         """Called on every process once the writer saved a checkpoint (a barrier)."""
@@ -139,6 +144,9 @@ class LocalEngine(GradientEngine):
     def attach(self, trainer: Trainer) -> None:
         refuse_stages(trainer)
 
+    def checkpoint_store(self, trainer: Trainer) -> CheckpointStore:
+        return FileStore(trainer)
+
     def forward_backward(self, trainer: Trainer, batch: Batch, total: int, *,
                          last: bool) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = trainer.on_device(batch)
@@ -152,9 +160,6 @@ class LocalEngine(GradientEngine):
         with trainer.autocast():
             output = trainer.model(x)
         return trainer.task.batch_sums(output, y)
-
-    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state
 
     def saved(self) -> None:
         pass

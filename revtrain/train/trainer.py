@@ -16,7 +16,9 @@ formatting, the example batch of the memory report) comes from a :class:`~revtra
 
 The loop follows :mod:`revtrain.data.loader`: the training loader knows its position, every
 other piece of state is in :class:`~revtrain.train.state.TrainingState`, and
-:meth:`Trainer.save_checkpoint` writes all of it between two steps, so a resumed run (mid-epoch
+:meth:`Trainer.save_checkpoint` writes all of it between two steps, through the engine's
+checkpoint store (:mod:`revtrain.train.checkpoint_store`: ``checkpoint.pt``, or one
+``torch.distributed.checkpoint`` folder per saved step), so a resumed run (mid-epoch
 too) computes exactly what the uninterrupted run would have (bit for bit on CPU; PETRA's engine
 drains its pipeline before a checkpoint inside an epoch, so there from an epoch's end).
 
@@ -50,7 +52,6 @@ from revtrain.memory import format_bytes
 from revtrain.tasks import add_sums
 from revtrain.compilation import compile_model
 from revtrain.train.build import build_model, fit_model_to_data, text_window
-from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
 from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.divergence import TrainingDivergedError, divergence_reason
 from revtrain.train.engine import Engine, LocalEngine
@@ -58,7 +59,6 @@ from revtrain.train.environment import busy_cpu_note, resolve_device, seed_every
 from revtrain.train.files import atomic_write_text
 from revtrain.train.interrupts import StopSignals, TrainingInterrupted
 from revtrain.train.loggers import open_sinks, write_curves
-from revtrain.train.retention import CheckpointRetention
 from revtrain.train.grad_angle import GradAngleMonitor
 from revtrain.train.memory_strategy import apply_memory_strategy
 from revtrain.train.metrics import EpochStats, MetricsWriter, live_memory, measure_step_memory
@@ -152,9 +152,7 @@ class Trainer:
         self.run_dir = run.run_dir
         self.folder = RunFolder(run.run_dir)
         self.checkpoint_path = self.folder.checkpoint_path
-        self.retention = CheckpointRetention(self.run_dir / "checkpoints", config.keep_checkpoints,
-                                             f"test_{self.task.headline}", self.task.higher_is_better) \
-            if config.keep_checkpoints else None
+        self.checkpoints = self.engine.checkpoint_store(self)
         self.plan: Any = None
         self.last_loss = float("nan")
         self._memory: tuple[int | None, str] = (None, "")
@@ -173,6 +171,8 @@ class Trainer:
         try:
             self._open_run(run)
             self.engine.attach(self)
+            if run.state is not None:  # a checkpoint folder's model and optimizer load into the attached ones
+                self.state.restore_tensors(run.state, run.checkpoint)
             self.resumed_state = None
         except BaseException:
             self._discard_if_unsaved(say=False)  # the user never saw this folder
@@ -471,7 +471,11 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, path: str | os.PathLike[str] | None = None) -> Path:
-        """Write the training state atomically (default: ``<run_dir>/checkpoint.pt``); returns the path.
+        """Write the training state atomically; returns the path.
+
+        The engine first settles what is in flight; by default the state goes where the engine's
+        checkpoint store puts it: ``<run_dir>/checkpoint.pt`` for one process and for PETRA (the
+        stages gathered on rank 0), ``<run_dir>/checkpoints/step-<step>/`` for a data-parallel run.
 
         Raises:
             TrainingDivergedError: the weights hold NaN or infinity; the previous checkpoint is kept.
@@ -480,31 +484,25 @@ class Trainer:
         if self._phase == "step":
             raise RuntimeError("cannot checkpoint in the middle of a training step")
         self.engine.settle(self)
-        state = self.engine.full_state(self.state.capture(self.config))
-        bad = non_finite_entries(state["model"])
+        state, bad = self.checkpoints.prepare(self.state.capture(self.config))
         if bad:  # every process sees the same weights, so every process stops here
             raise TrainingDivergedError(
                 f"the weights turned NaN or infinite by step {self.step} ({', '.join(bad[:3])}); no checkpoint "
                 f"was written, and {self._kept_checkpoint()}. Lower --lr (now {self.config.lr:g}) or "
                 "lengthen --warmup-epochs, then start again"
             )
-        target = Path(path) if path is not None else self.checkpoint_path
-        if self.engine.writes_files:
-            save_checkpoint(state, target)
-            if path is None and self.retention is not None:
-                self.retention.after_save(target, self.step, self.history)
-        self.engine.saved()
-        return target
+        return self.checkpoints.save(state, path)
 
     def _kept_checkpoint(self) -> str:
-        if self.checkpoint_path.exists():
-            return f"the last checkpoint, {self.checkpoint_path}, is kept"
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            return f"the last checkpoint, {latest}, is kept"
         return "no checkpoint had been saved yet"
 
     def _on_interrupt(self, stop: KeyboardInterrupt) -> None:
         if self._phase == "step":
-            exists = self.checkpoint_path.exists()
-            where = f"{self.checkpoint_path} is untouched" if exists else "none was saved"
+            latest = self.checkpoints.latest()
+            where = f"{latest} is untouched" if latest is not None else "none was saved"
             self._log(f"aborted inside a training step at step {self.step}: no checkpoint written "
                       f"(the last one, {where})", err=True)
             return
@@ -582,7 +580,9 @@ class Trainer:
         angle_line = self.grad_angles.summary_line() if self.grad_angles is not None else None
         if angle_line is not None:
             lines.append(angle_line)
-        lines.append(f"run folder: {self.run_dir} (summary.json, metrics.jsonl, checkpoint.pt)")
+        latest = self.checkpoints.latest()
+        saved = latest.relative_to(self.run_dir) if latest is not None else "no checkpoint"
+        lines.append(f"run folder: {self.run_dir} (summary.json, metrics.jsonl, {saved})")
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         assert self.metrics is not None
         self.metrics.write("summary", **summary)

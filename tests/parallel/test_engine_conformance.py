@@ -4,8 +4,9 @@ Parametrised over the engines: ``local`` (one process), ``data-parallel`` (DDP, 
 ``petra-simulator`` (2 stages in this process) and ``petra-processes`` (2 stages, 2 gloo ranks).
 For each: the metrics records, the evaluation and the memory report of a finished run; a run
 checkpointed after epoch 1 and resumed equals the uninterrupted run bit for bit (for PETRA's
-processes, the simulator's uninterrupted run, which they equal bit for bit); one Ctrl-C
-saves a checkpoint at the step it names; and the same refusals before anything runs (a bad
+processes, the simulator's uninterrupted run, which they equal bit for bit); each engine's
+checkpoint store (``checkpoint.pt``; a data-parallel run's ``torch.distributed.checkpoint``
+folders); one Ctrl-C saves a checkpoint at the step it names; and the same refusals before anything runs (a bad
 option, a folder holding a run, a resume with another batch size). Tiny runs: RevNet-38 on
 digits, 2 steps an epoch, one thread per process.
 """
@@ -24,6 +25,7 @@ import pytest
 import torch
 
 from revtrain.cli import main
+from revtrain.train.checkpoint_folder import latest_checkpoint, read_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,8 +45,19 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _weights(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoint.pt", weights_only=False)["model"]
+def _latest(run: Path, engine: str, *, weights: bool = True) -> dict:
+    """The run's latest checkpoint, read: ``checkpoint.pt`` (one process, PETRA) or, for a
+    data-parallel run, its newest ``torch.distributed.checkpoint`` folder."""
+    latest = latest_checkpoint(run)
+    if engine == "data-parallel":
+        assert latest is not None and latest.parent == run / "checkpoints" and latest.is_dir(), latest
+    else:
+        assert latest == run / "checkpoint.pt", latest
+    return read_checkpoint(latest, weights=weights)
+
+
+def _weights(run: Path, engine: str) -> dict[str, torch.Tensor]:
+    return _latest(run, engine)["model"]
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
@@ -70,7 +83,8 @@ def test_records_evaluation_memory_report_and_exact_resume(engine: str, tmp_path
 
     assert main(["train", *flags, *RUN, "--epochs", "1", "--no-memory-report", "--run-dir", str(split)]) == 0
     assert main(["train", *flags, *RUN, "--no-memory-report", "--resume", str(split)]) == 0
-    want, got = _weights(full), _weights(split)
+    want = _weights(full, "petra-simulator" if engine == "petra-processes" else engine)
+    got = _weights(split, engine)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     again = [r for r in _records(split) if r["event"] == "epoch"]
     assert again[-1]["test_loss"] == epochs[-1]["test_loss"]
@@ -99,7 +113,7 @@ def test_one_ctrl_c_saves_a_checkpoint_and_the_refusals_are_the_same(engine: str
     assert proc.returncode == 128 + signal.SIGINT, err
     stop = [r for r in _records(run) if r["event"] == "interrupt"]
     assert len(stop) == 1 and stop[0]["signal"] == "SIGINT", err
-    assert torch.load(run / "checkpoint.pt", weights_only=False)["progress"]["step"] == stop[0]["step"]
+    assert _latest(run, engine, weights=False)["progress"]["step"] == stop[0]["step"]
 
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
     refusals = [
