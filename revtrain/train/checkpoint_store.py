@@ -79,8 +79,10 @@ class FileStore:
         return latest_checkpoint(self.trainer.run_dir)
 
     def prepare(self, state: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-        state = self.full_state(state) if self.full_state is not None else state
-        return state, non_finite_entries(state["model"])
+        if self.full_state is None:
+            return state, non_finite_entries(state["model"])
+        state = self.full_state(state)  # the processes held parts (PETRA's stages): agree on what any saw
+        return state, local_non_finite(state["model"])
 
     def save(self, state: dict[str, Any], path: str | os.PathLike[str] | None) -> Path:
         target = Path(path) if path is not None else self.path

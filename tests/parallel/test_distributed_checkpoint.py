@@ -1,7 +1,7 @@
 """Data-parallel checkpoints (torch.distributed.checkpoint folders) resume with another number of
 processes: 1 -> 2 and 2 -> 1, DDP and FSDP2, on gloo, exactly (float64); a single-process
 run's checkpoint.pt continues sharded on two processes; a checkpoint folder continues as a PETRA
-run on processes.
+run on processes; a file store whose processes hold parts agrees on non-finite weights.
 
 Every run trains the same float64 reversible net on digits (group norms: no batch statistics,
 so N slices of a batch give the whole batch's gradient up to the order of float additions) for
@@ -14,7 +14,9 @@ position or the schedule came back wrong.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,7 +28,7 @@ from revtrain.cli import main
 from revtrain.core import ReversibleBlock, ReversibleSequence, set_modes
 from revtrain.train import TrainConfig, Trainer
 from revtrain.train.checkpoint_folder import MANIFEST_NAME, latest_checkpoint, read_checkpoint
-from revtrain.train.checkpoint_store import FolderStore
+from revtrain.train.checkpoint_store import FileStore, FolderStore
 from revtrain.train.engine import LocalEngine
 from tests.parallel.cases import run_ranks
 
@@ -172,3 +174,19 @@ def test_a_checkpoint_folder_continues_as_a_petra_run_on_processes(tmp_path: Pat
     assert got["model"].keys() == want["model"].keys() == saved.keys()
     assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
     assert any(not torch.equal(got["model"][k], v) for k, v in saved.items())  # the resumed run trained
+
+
+def non_finite_part_rank(rank: int, world: int, out_dir: str) -> None:
+    """Each process holds a part of the model (as PETRA's stages do); rank 1's part is NaN."""
+    trainer = SimpleNamespace(run_dir=Path(out_dir), config=SimpleNamespace(keep_checkpoints=None))
+    store = FileStore(trainer, lambda state: state)  # type: ignore[arg-type]
+    part = torch.full((2,), float("nan") if rank == 1 else 1.0)
+    _, bad = store.prepare({"model": {f"part{rank}.weight": part}})
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(bad))
+
+
+def test_every_process_of_a_file_store_sees_non_finite_weights_held_elsewhere(tmp_path: Path) -> None:
+    """The trainer stops every process before a save when any process's part of the weights is
+    NaN; a process that went on would wait for the others at the save's barrier."""
+    run_ranks(non_finite_part_rank, 2, str(tmp_path))
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [["part1.weight"]] * 2
