@@ -73,12 +73,10 @@ def _build_parser() -> argparse.ArgumentParser:
     }, exclude=PROFILE_OPTIONS)
     # --repeats, --refine, --t-e-max-pairs, ...: the same options as revtrain plan's, one definition
     _add_config_options(train.add_argument_group("planning (with --budget)"), ProfileOptions)
-    from revtrain.parallel import PetraConfig
-    from revtrain.parallel.command import SHARED_WITH_TRAIN, ParallelConfig
+    from revtrain.parallel.command import ParallelConfig
 
-    # --stages (PETRA), --data-parallel (DDP), --shard (FSDP2): revtrain/parallel/command.py
+    # --data-parallel (DDP), --shard (FSDP2), and how --stages (PETRA) starts: revtrain/parallel/command.py
     _add_config_options(train.add_argument_group("several processes (PETRA, DDP, FSDP2)"), ParallelConfig)
-    _add_config_options(train.add_argument_group("PETRA (with --stages)"), PetraConfig, exclude=SHARED_WITH_TRAIN)
     train.add_argument("--config", metavar="FILE", default=None,
                        help="read options from a .toml or .json file (a run's config.json works); options "
                             "given on the command line override it (revtrain.train.config_file)")
@@ -116,20 +114,17 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from revtrain.parallel import PetraConfig
-    from revtrain.parallel.command import SHARED_WITH_TRAIN, ParallelConfig, run_parallel
+    from revtrain.parallel.command import ParallelConfig, run_parallel, single_process_engine
     from revtrain.train import TrainConfig, Trainer, TrainingInterrupted, resolve_run
 
     from revtrain.train.config_file import merge_with_file
 
-    petra = {k: v for k, v in _given(args, PetraConfig).items() if k not in SHARED_WITH_TRAIN}
-    given, parallel, petra = merge_with_file(args.config, [(TrainConfig, _given(args, TrainConfig)),
-                                                           (ParallelConfig, _given(args, ParallelConfig)),
-                                                           (PetraConfig, petra)])
-    status = run_parallel(args.argv, given, parallel, petra)
+    given, parallel = merge_with_file(args.config, [(TrainConfig, _given(args, TrainConfig)),
+                                                    (ParallelConfig, _given(args, ParallelConfig))])
+    status = run_parallel(args.argv, given, parallel)
     if status is not None:
         return status
-    trainer = Trainer(resolve_run(given))
+    trainer = Trainer(resolve_run(given), engine=single_process_engine(given))
     try:
         trainer.fit()
     except TrainingInterrupted as stop:  # the checkpoint is saved and the trainer said where

@@ -9,16 +9,16 @@ the current parameters (:func:`revtrain.core.reverse_step`). See ``docs/parallel
 - :class:`StageWorker` — one stage's forward, backward, accumulation and buffers.
 - :class:`Simulator` — every stage in one process (the oracle).
 - :class:`DistributedPipeline` — one process per stage on ``torch.distributed``.
-- :func:`train` — a whole PETRA training run (``revtrain train --stages J`` starts it on every rank).
+- :class:`PetraEngine` — PETRA as an engine of the one :class:`~revtrain.train.Trainer`
+  (``revtrain train --stages J``).
 - :mod:`revtrain.parallel.data_parallel` — DDP and FSDP2 for reversible models.
 """
 
 from revtrain.parallel.config import PetraConfig
 from revtrain.parallel.distributed import DistributedPipeline
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
-from revtrain.parallel.options import RunOptions
 from revtrain.parallel.partition import Stage, split_model, stage_shapes
-from revtrain.parallel.runner import train
+from revtrain.parallel.petra_engine import PetraEngine
 from revtrain.parallel.simulator import EpochResult, Simulator
 from revtrain.parallel.units import Unit, model_units
 from revtrain.parallel.worker import StageWorker
@@ -28,7 +28,7 @@ __all__ = [
     "EpochResult",
     "PetraConfig",
     "PipelineConfigError",
-    "RunOptions",
+    "PetraEngine",
     "Simulator",
     "Stage",
     "StageFailedError",
@@ -37,5 +37,4 @@ __all__ = [
     "model_units",
     "split_model",
     "stage_shapes",
-    "train",
 ]

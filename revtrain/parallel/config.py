@@ -1,7 +1,8 @@
-"""PETRA's options: accumulation, learning-rate rule, optimizer, buffers.
+"""What a PETRA stage worker needs: accumulation, learning rate, SGD settings, buffers.
 
-One typed dataclass, validated when built, whose field docstrings are the command line's help
-(``python -m revtrain.parallel --help``).
+One typed dataclass, validated when built. A training run fills it from its
+:class:`~revtrain.train.TrainConfig` (where ``revtrain train --stages`` takes these options);
+the simulator, the multi-process pipeline and the benchmarks build it directly.
 """
 
 from __future__ import annotations

@@ -236,6 +236,25 @@ class DistributedPipeline:
             self._train_lockstep(data, sizes)
         self.worker.flush()
 
+    def start(self, epoch: int) -> None:
+        """Open an epoch's pipeline for :meth:`advance`: the stage trains, the epoch seeds dropout."""
+        self.stage.train()
+        self.worker.start_epoch(epoch)
+        self.tick = 0
+        self._outputs: tuple[Activation | None, Gradient | None] = (None, None)
+
+    def advance(self, stop: int, sizes: Sequence[int], batches: Iterator[tuple[Tensor, Tensor]] | None) -> None:
+        """Run the ticks up to ``stop`` in lockstep over the batches of ``sizes`` (the batches fed so
+        far: ticks before ``len(sizes)`` are the same whatever the epoch's length); the first stage
+        reads ``batches``. The outputs of the last tick run are sent by the next call's first tick,
+        so nothing is pending between calls (collectives may run between them)."""
+        n = len(sizes)
+        for t in range(self.tick, stop):
+            up, down = self._exchange(t, n, sizes, *self._outputs, training=True)
+            up = self._read_batch(t, n, batches) or up
+            self._outputs = self.ticker.tick(t, n, up, down)
+        self.tick = max(self.tick, stop)
+
     def _train_lockstep(self, data: Iterator[tuple[Tensor, Tensor]] | None, sizes: Sequence[int]) -> None:
         """Every tick: one exchange (last tick's sends, this tick's receives), then compute."""
         n, j = len(sizes), self.stage.num_stages

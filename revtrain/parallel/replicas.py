@@ -15,11 +15,15 @@ works too). Every process runs the ordinary :class:`~revtrain.train.Trainer` wit
   its own statistics, as DDP always does). The loss and the task's sums are all-reduced, so
   the metrics, the progress and the divergence check are the whole batch's on every rank.
 - **Evaluation**: each rank evaluates its slice of every test batch; the sums are all-reduced.
-- **Files**: rank 0 writes the run folder (``config.json``, ``metrics.jsonl``, the checkpoint,
-  ``summary.json``, the memory report) by the trainer's own rules; the other ranks write
-  nothing. A checkpoint holds the *whole* model and optimizer state in the single-process
-  format (with ``--shard`` the shards are gathered first), so a data-parallel run can be
-  resumed with any number of processes, or none.
+- **Files**: rank 0 writes the run folder (``config.json``, ``metrics.jsonl``, ``summary.json``,
+  the memory report) by the trainer's own rules. Checkpoints are folders written by
+  ``torch.distributed.checkpoint`` (:class:`~revtrain.train.checkpoint_store.FolderStore`,
+  ``<run>/checkpoints/step-<step>/``): with ``--shard`` every rank writes its own shards
+  (nothing is gathered on one rank); what every rank holds whole (DDP's model and optimizer,
+  the buffers) rank 0 writes, so the batch-norm statistics saved are rank 0's, which DDP
+  broadcasts before every forward; rank 0 also writes the rest of the state and the manifest. DCP reshards on load, so a data-parallel run resumes with any
+  number of processes, sharded or not, or in one process (``revtrain train --resume`` without
+  ``--data-parallel``, ``revtrain.load``).
 
 With ``--shard`` the model is sharded with FSDP2 (``fully_shard`` per reversible block, then
 the whole model; :func:`~revtrain.parallel.data_parallel.shard`): every process keeps 1/N of the
@@ -37,11 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from revtrain.parallel.data_parallel import full_state_dict, replicate, shard
+from revtrain.parallel.data_parallel import replicate, shard
 from revtrain.parallel.distributed import check_backend, init_from_env
 from revtrain.parallel.errors import PipelineConfigError
 from revtrain.train import Trainer
-from revtrain.train.engine import Batch, backward_share
+from revtrain.train.checkpoint_store import FolderStore
+from revtrain.train.engine import Batch, GradientEngine, backward_share, refuse_stages
 from revtrain.train.environment import resolve_device
 from revtrain.train.optim import build_optimizer, build_scheduler
 from revtrain.train.resume import resolve_run
@@ -56,7 +61,7 @@ UNSUPPORTED = {
 """``revtrain train`` options that a data-parallel run refuses, and what to do instead."""
 
 
-class DataParallelEngine:
+class DataParallelEngine(GradientEngine):
     """The :class:`~revtrain.train.engine.Engine` of one of N data-parallel processes (module docstring).
 
     Args:
@@ -77,6 +82,7 @@ class DataParallelEngine:
         return f"data parallel over {self.world} processes ({what}), each on 1/{self.world} of every batch"
 
     def attach(self, trainer: Trainer) -> None:
+        refuse_stages(trainer)
         self._check_slices(trainer)
         self.model = trainer.model
         if self.sharded:
@@ -168,24 +174,11 @@ class DataParallelEngine:
 
     # -- files ---------------------------------------------------------------------------------
 
-    def full_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        if self.sharded:  # gather the shards: the checkpoint has the single-process format
-            state["model"] = {k: v.cpu() for k, v in full_state_dict(self.model).items()}
-            state["optimizer"] = _full_optimizer_state(state["optimizer"])
-        return state
+    def checkpoint_store(self, trainer: Trainer) -> FolderStore:
+        return FolderStore(trainer)
 
     def saved(self) -> None:
         dist.barrier()
-
-
-def _full_optimizer_state(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict with every sharded tensor gathered (a collective: every rank calls it)."""
-    full = {i: {k: _whole(v) for k, v in s.items()} for i, s in sorted(state["state"].items())}
-    return {"state": full, "param_groups": state["param_groups"]}
-
-
-def _whole(value: Any) -> Any:
-    return value.full_tensor().cpu() if hasattr(value, "full_tensor") else value
 
 
 def _to_shards(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:

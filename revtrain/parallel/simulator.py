@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -106,33 +106,9 @@ class Simulator:
             on_tick: Called after every tick with ``(tick, self)`` (tests, traces).
         """
         n = len(batches) if num_batches is None else num_batches  # type: ignore[arg-type]
-        j = len(self.tickers)
-        for st, w in zip(self.stages, self.workers):
-            st.train()
-            w.start_epoch(epoch)
-        data = iter(batches)
-        ups: dict[int, Activation] = {}
-        downs: dict[int, Gradient] = {}
-        ticks = schedule.num_ticks(n, j)
-        for t in range(ticks):
-            b = schedule.forward_batch(0, t, n, j)
-            if b is not None:
-                try:
-                    x, y = next(data)
-                except StopIteration:
-                    raise ValueError(f"the batches ran out after {b} of the {n} announced") from None
-                ups[0] = Activation(b, x, y)
-            new_ups: dict[int, Activation] = {}
-            new_downs: dict[int, Gradient] = {}
-            for s, ticker in enumerate(self.tickers):
-                up, down = ticker.tick(t, n, ups.pop(s, None), downs.pop(s, None))
-                if up is not None:
-                    new_ups[s + 1] = up
-                if down is not None:
-                    new_downs[s - 1] = down
-            ups, downs = new_ups, new_downs
-            if on_tick is not None:
-                on_tick(t, self)
+        self.start(epoch)
+        ticks = schedule.num_ticks(n, len(self.tickers))
+        self.advance(ticks, n, iter(batches), on_tick)
         for w in self.workers:
             w.flush()
         return EpochResult(
@@ -143,6 +119,45 @@ class Simulator:
                                   for w in self.workers],
             updates=[w.updates for w in self.workers],
         )
+
+    def start(self, epoch: int) -> None:
+        """Open an epoch's pipeline: the stages train, the epoch seeds dropout, the clock is at tick 0."""
+        for st, w in zip(self.stages, self.workers):
+            st.train()
+            w.start_epoch(epoch)
+        self.tick = 0
+        self._ups: dict[int, Activation] = {}
+        self._downs: dict[int, Gradient] = {}
+
+    def advance(self, stop: int, num_batches: int, batches: Iterator[tuple[Tensor, Tensor]],
+                on_tick: Callable[[int, Simulator], None] | None = None) -> None:
+        """Run the ticks up to ``stop`` of a pipeline over ``num_batches`` batches, reading the
+        next batch from ``batches`` whenever the first stage needs one.
+
+        Ticks before ``num_batches`` are the same whatever the epoch's length, so an engine may
+        announce the batches as they come and drain with the count it fed.
+        """
+        j = len(self.tickers)
+        for t in range(self.tick, stop):
+            b = schedule.forward_batch(0, t, num_batches, j)
+            if b is not None:
+                try:
+                    x, y = next(batches)
+                except StopIteration:
+                    raise ValueError(f"the batches ran out after {b} of the {num_batches} announced") from None
+                self._ups[0] = Activation(b, x, y)
+            ups: dict[int, Activation] = {}
+            downs: dict[int, Gradient] = {}
+            for s, ticker in enumerate(self.tickers):
+                up, down = ticker.tick(t, num_batches, self._ups.pop(s, None), self._downs.pop(s, None))
+                if up is not None:
+                    ups[s + 1] = up
+                if down is not None:
+                    downs[s - 1] = down
+            self._ups, self._downs = ups, downs
+            if on_tick is not None:
+                on_tick(t, self)
+        self.tick = max(self.tick, stop)
 
     def evaluate(self, batches: Batches) -> dict[str, float]:
         """The task's sums over ``batches`` from an ordinary forward in evaluation mode."""

@@ -207,7 +207,8 @@ def check_model_state(path: str | os.PathLike[str], state: Mapping[str, Any], mo
     """Raise :class:`IncompatibleCheckpointError` unless the checkpoint fits ``model``.
 
     Compares the model name the checkpoint was written for, then every parameter and buffer
-    name and shape, listing the first differences.
+    name and shape (``model_shapes`` for a checkpoint folder read without its weights), listing
+    the first differences.
     """
     saved_name = state.get("model_name")
     if saved_name != model_name:
@@ -215,14 +216,17 @@ def check_model_state(path: str | os.PathLike[str], state: Mapping[str, Any], mo
             f"checkpoint {path} is for model {saved_name!r} but this run builds {model_name!r}; "
             f"pass --model {saved_name} to resume it, or drop --resume to start a new run"
         )
-    saved: Mapping[str, torch.Tensor] = state["model"]
+    if state.get("model") is not None:
+        saved = {k: tuple(v.shape) for k, v in state["model"].items()}
+    else:  # a checkpoint folder read without its weights: state.pt lists their shapes
+        saved = {k: tuple(v) for k, v in state["model_shapes"].items()}
     mine = model.state_dict()
     problems = [f"{k} missing from the checkpoint" for k in mine if k not in saved]
     problems += [f"{k} not in the model" for k in saved if k not in mine]
     problems += [
-        f"{k} is {tuple(saved[k].shape)} in the checkpoint but {tuple(v.shape)} in the model"
+        f"{k} is {saved[k]} in the checkpoint but {tuple(v.shape)} in the model"
         for k, v in mine.items()
-        if k in saved and saved[k].shape != v.shape
+        if k in saved and saved[k] != tuple(v.shape)
     ]
     if problems:
         shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")

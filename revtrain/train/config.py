@@ -72,8 +72,8 @@ class TrainConfig(ProfileOptions):
     # --- optimizer and schedule
     optimizer: Literal["sgd", "adamw"] = "sgd"
     """sgd (momentum, Nesterov) or adamw (betas 0.9/0.95, decoupled weight decay: the usual choice for Transformers)."""
-    lr: float = 0.1
-    """Peak learning rate, reached at the end of the warm-up."""
+    lr: float | None = None
+    """Peak learning rate, reached at the end of the warm-up (default: 0.1; with --stages, PETRA's rule: lr-per-256 x batch-size x accumulation / 256)."""
     momentum: float = 0.9
     """SGD momentum (unused by adamw)."""
     nesterov: bool = True
@@ -116,6 +116,26 @@ class TrainConfig(ProfileOptions):
     """torch.compile F and G of every reversible block and the non-reversible parts (revtrain.compilation); the first steps pay the compilation."""
     seed: int = 0
     """Seed of model initialisation, data order and augmentation."""
+
+    # --- PETRA: stage parallelism (docs/parallel.md)
+    stages: int | None = None
+    """PETRA: cut the model into J stages trained as a pipeline with delayed gradients (Rivaud et al. 2024), one process per stage (with --data-parallel N: J x N processes); default: no stages."""
+    split: str | None = None
+    """With --stages: blocks per stage (3,3,2) or the names of the blocks opening stages 2..J; default: balanced by --balance."""
+    balance: Literal["time", "count"] = "time"
+    """With --stages and no --split: balance the stages by measured per-unit time, or by block count."""
+    engine: Literal["processes", "simulator"] = "processes"
+    """With --stages: one process per stage (torch.distributed), or every stage in this process (the same arithmetic)."""
+    lr_per_256: float = 0.1
+    """With --stages and no --lr: the learning rate per 256 samples of a step (PETRA's rule, lr = lr-per-256 x batch-size x accumulation / 256)."""
+    input_buffer: Literal["needed", "all", "none"] = "needed"
+    """With --stages: inputs kept between forward and backward: needed (PETRA: only those of non-reversible units), all (every stage keeps its input and recomputes), none (refused when a stage has a non-reversible unit)."""
+    stash_params: bool = False
+    """With --stages: keep the parameters of each batch in flight and use them in backward (PipeDream's weight stashing; PETRA does not)."""
+    track_reconstruction: bool = False
+    """With --stages: keep each reversible segment's forward input to report how far its rebuild drifted (a diagnostic that costs the memory PETRA saves)."""
+    dropout_seed: int = 0
+    """With --stages: batch b of epoch e on stage s draws its dropout from a stream derived from (dropout_seed, e, b, s)."""
 
     # --- outputs
     run_dir: str | None = None
@@ -169,6 +189,10 @@ class TrainConfig(ProfileOptions):
         if self.grad_clip is not None and not self.grad_clip > 0:
             raise ConfigError(f"grad_clip (--grad-clip) must be positive, got {self.grad_clip}; leave it out "
                               "for no clipping")
+        if not self.lr_per_256 > 0:
+            raise ConfigError(f"lr_per_256 must be positive, got {self.lr_per_256}")
+        if self.lr is None:  # the recipe's default, or PETRA's rule: config.json records the value
+            self.lr = 0.1 if self.stages is None else self.lr_per_256 * self.batch_size * self.accumulation / 256
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.momentum < 1:
@@ -202,6 +226,23 @@ class TrainConfig(ProfileOptions):
             raise ConfigError("give either --budget (plan now) or --plan (load a plan), not both")
         if self.budget is not None and not str(self.budget).strip():
             raise ConfigError("budget is empty; give a size such as 6GiB, or a fraction such as 50%")
+        self._check_stages()
+
+    def _check_stages(self) -> None:
+        """PETRA's options: only with --stages, and the run options its stages cannot honour refused."""
+        if self.stages is None:
+            petra = [name for name, default in _PETRA_DEFAULTS.items() if getattr(self, name) != default]
+            if petra:
+                raise ConfigError(f"{', '.join('--' + _flag(n) for n in petra)}: PETRA options; add --stages J")
+            return
+        _at_least(self, "stages", 1)
+        _choice(self, "balance", ("time", "count"))
+        _choice(self, "engine", ("processes", "simulator"))
+        _choice(self, "input_buffer", ("needed", "all", "none"))
+        refused = [(name, why) for name, (ok, why) in _PETRA_REFUSES.items() if getattr(self, name) not in ok]
+        if refused:
+            reasons = "; ".join(f"--{_flag(name)}: {why}" for name, why in refused)
+            raise ConfigError(f"not available with --stages (PETRA): {reasons}. Drop them, or train without --stages")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable data (tuples become lists)."""
@@ -225,6 +266,30 @@ class TrainConfig(ProfileOptions):
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+_PETRA_DEFAULTS = {"split": None, "engine": "processes", "lr_per_256": 0.1, "input_buffer": "needed",
+                   "stash_params": False, "track_reconstruction": False}
+"""PETRA's options (their defaults): given without --stages they are refused."""
+
+_PETRA_REFUSES = {
+    "optimizer": (("sgd",), "PETRA uses SGD with Nesterov momentum"),
+    "grad_clip": ((None,), "PETRA's stages update separately, so there is no global gradient norm"),
+    "mode": (("M",), "PETRA's stages rebuild reversible blocks themselves, whatever their mode"),
+    "budget": ((None,), "PETRA's stages keep no activations of reversible blocks"),
+    "plan": ((None,), "PETRA's stages keep no activations of reversible blocks"),
+    "amp": ((None,), "PETRA runs in the model's dtype"),
+    "compile": ((False,), "PETRA runs its stages eagerly"),
+    "context": ((None,), "PETRA trains image classifiers"),
+    "keep_checkpoints": ((0,), "a PETRA checkpoint refers to per-stage files that only the latest keeps"),
+    "grad_angle_every": ((0,), "PETRA's rebuilds use moved parameters by design; --track-reconstruction reports their drift"),
+    "check_every": ((None,), "PETRA's rebuilds use moved parameters by design; --track-reconstruction reports their drift"),
+}
+"""Run options a --stages run cannot honour: (the values it accepts, why)."""
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
 
 
 @cache

@@ -1,7 +1,8 @@
 """Load a trained model back, and export it to safetensors.
 
-``revtrain.load(run_dir)`` rebuilds the model of a run from its ``checkpoint.pt`` (the model
-name, the classes and channels its data gave it) with the trained weights and the M/C mode of
+``revtrain.load(run_dir)`` rebuilds the model of a run from its latest checkpoint
+(``checkpoint.pt``, or a data-parallel run's newest checkpoint folder, read whole in one process;
+the model name, the classes and channels its data gave it) with the trained weights and the M/C mode of
 every reversible block, in eval mode. ``revtrain.export(run_dir, out_dir)`` (``revtrain export``)
 writes the weights as ``model.safetensors`` and how to rebuild them as ``model.json``; ``load``
 reads such a folder too, without revtrain's checkpoint or torch pickles::
@@ -37,7 +38,8 @@ from revtrain.models.inputs import InputSpec
 from revtrain.models.registry import MODEL_OVERRIDES
 from revtrain.tasks import get_task
 from revtrain.train.build import build_model, is_registered
-from revtrain.train.checkpoint import CHECKPOINT_NAME, IncompatibleCheckpointError, load_checkpoint
+from revtrain.train.checkpoint import IncompatibleCheckpointError
+from revtrain.train.checkpoint_folder import checkpoint_of, read_checkpoint
 from revtrain.train.files import atomic_write, atomic_write_text
 
 __all__ = ["EXPORT_FORMAT", "ModelRecipe", "export", "load", "model_recipe"]
@@ -74,8 +76,8 @@ def load(source: str | os.PathLike[str], *, model: nn.Module | None = None,
     """The trained model of a run folder, a ``checkpoint.pt`` or an exported folder, in eval mode.
 
     Args:
-        source: A run folder (its ``checkpoint.pt`` is read), a checkpoint file, or a folder
-            written by :func:`export` (``model.json`` + ``model.safetensors``).
+        source: A run folder (its latest checkpoint is read), a checkpoint file or checkpoint
+            folder, or a folder written by :func:`export` (``model.json`` + ``model.safetensors``).
         model: A freshly built model to load into, for runs of a model object given to the
             Trainer (default: rebuilt from the recorded name or ``module:factory``).
         device: Where the model goes.
@@ -87,8 +89,8 @@ def load(source: str | os.PathLike[str], *, model: nn.Module | None = None,
     path = Path(source)
     if (path / RECIPE_NAME).is_file():
         return _load_export(path, model, device)
-    ckpt = path / CHECKPOINT_NAME if path.is_dir() else path
-    state = load_checkpoint(ckpt)
+    ckpt = checkpoint_of(path)
+    state = read_checkpoint(ckpt)
     recipe = model_recipe(state)
     net = model if model is not None else _rebuild(recipe, ckpt)
     _load_weights(net, state["model"], ckpt)
@@ -108,8 +110,8 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, o
         raise ImportError("exporting to safetensors needs the safetensors package: pip install "
                           "'revtrain[export]' (or pip install safetensors)") from None
     path, out = Path(source), Path(out_dir)
-    ckpt = path / CHECKPOINT_NAME if path.is_dir() else path
-    state = load_checkpoint(ckpt)
+    ckpt = checkpoint_of(path)
+    state = read_checkpoint(ckpt)
     existing = [out / n for n in (WEIGHTS_NAME, RECIPE_NAME) if (out / n).exists()]
     if existing and not overwrite:
         raise FileExistsError(f"{existing[0]} exists already; pass --overwrite to replace the export in {out}, "

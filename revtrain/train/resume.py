@@ -29,7 +29,13 @@ from revtrain.train.checkpoint import (
     CHECKPOINT_NAME,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
-    load_checkpoint,
+)
+from revtrain.train.checkpoint_folder import (
+    CHECKPOINTS_FOLDER,
+    is_checkpoint_folder,
+    latest_checkpoint,
+    read_checkpoint,
+    run_dir_of,
 )
 from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.state import REQUIRED_PARTS
@@ -120,13 +126,15 @@ def resolve_run(options: Mapping[str, Any] | TrainConfig) -> ResolvedRun:
     if resume is None:
         return _new_run({**given, "resume": None}, notes)
     path = Path(resume)
-    if path.is_dir():
-        if not holds_run(path):
+    if path.is_dir() and not is_checkpoint_folder(path):
+        latest = latest_checkpoint(path)
+        if latest is None:
             raise CorruptCheckpointError(
-                f"--resume {path}: the folder holds no {CHECKPOINT_NAME} (its run stopped before its first "
-                "checkpoint, or it is not a run folder); start a new run without --resume"
+                f"--resume {path}: the folder holds no {CHECKPOINT_NAME} and no complete checkpoint folder in "
+                f"{CHECKPOINTS_FOLDER}/ (its run stopped before its first checkpoint, or it is not a run folder); "
+                "start a new run without --resume"
             )
-        path = path / CHECKPOINT_NAME
+        path = latest
     return _resumed_run(given, path, complete, notes)
 
 
@@ -159,9 +167,10 @@ def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
     model, dataset = given.get("model", defaults.model), given.get("dataset", defaults.dataset)
     if given.get("run_dir"):
         folder = Path(given["run_dir"])
-        if holds_run(folder):
+        latest = latest_checkpoint(folder)
+        if latest is not None:
             notes.append(f"--resume auto: resuming the run in {folder}")
-            return str(folder / CHECKPOINT_NAME)
+            return str(latest)
         notes.append(f"--resume auto: {folder} holds no checkpoint; starting a new run there")  # if empty
         return None
     latest = find_latest_run(model, dataset)
@@ -174,12 +183,13 @@ def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
                      "<folder> to continue an older run)")
         return None
     notes.append(f"--resume auto: resuming {latest}, the latest run of {model} on {dataset}")
-    return str(latest / CHECKPOINT_NAME)
+    return str(latest_checkpoint(latest))
 
 
 def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[str]) -> ResolvedRun:
-    state = load_checkpoint(path)
-    missing = [name for name in ("config", *REQUIRED_PARTS) if state.get(name) is None]
+    state = read_checkpoint(path, weights=False)  # a folder's model and optimizer load once the model is built
+    in_folder = set(state.get("folder_parts", ()))
+    missing = [name for name in ("config", *REQUIRED_PARTS) if state.get(name) is None and name not in in_folder]
     if missing:
         raise IncompatibleCheckpointError(
             f"checkpoint {path} holds no {' or '.join(missing)} state, so it cannot continue the run exactly; "
@@ -194,18 +204,19 @@ def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[
     merged = {**saved, **{k: v for k, v in given.items() if k not in ("resume", "run_dir")}}
     if not complete and any(name in given for name in _STRATEGY):  # a strategy given replaces the saved one
         merged.update(budget=given.get("budget"), plan=given.get("plan"))
-    run_dir = Path(given["run_dir"]) if given.get("run_dir") else path.parent
+    home = run_dir_of(path)
+    run_dir = Path(given["run_dir"]) if given.get("run_dir") else home
     merged.update(run_dir=str(run_dir), resume=str(path), overwrite=False)
     config = TrainConfig.from_dict(merged)
-    if run_dir.resolve() != path.parent.resolve() and holds_run(run_dir):
+    if run_dir.resolve() != home.resolve() and holds_run(run_dir):
         raise RunExistsError(
             f"--run-dir {run_dir} already holds another run; resuming {path} there would overwrite it. "
-            f"Choose an empty --run-dir, or drop --run-dir to continue in {path.parent}"
+            f"Choose an empty --run-dir, or drop --run-dir to continue in {home}"
         )
-    if run_dir.resolve() != path.parent.resolve() and folder_entries(run_dir):
+    if run_dir.resolve() != home.resolve() and folder_entries(run_dir):
         raise RunExistsError(
             f"--run-dir {run_dir} is not empty; resuming {path} there would replace its files. Choose an empty "
-            f"--run-dir, or drop --run-dir to continue in {path.parent}"
+            f"--run-dir, or drop --run-dir to continue in {home}"
         )
     _refuse_shrinking(config, state, path)
     notes += _announce_changes(saved, config.to_dict(), state)

@@ -1,7 +1,8 @@
 """Run folders: where runs live, which run is the latest, and a folder's life cycle.
 
-A run folder holds ``config.json``, ``metrics.jsonl``, ``checkpoint.pt``, ``summary.json`` (and
-``plan.json`` when a plan chose the modes). A folder *holds a run* once it has a checkpoint:
+A run folder holds ``config.json``, ``metrics.jsonl``, ``checkpoint.pt`` (a data-parallel run:
+checkpoint folders in ``checkpoints/``), ``summary.json`` (and ``plan.json`` when a plan chose
+the modes). A folder *holds a run* once it has a checkpoint:
 from then on only ``--resume`` may write into it. A run that fails before its first checkpoint
 leaves nothing behind (:meth:`RunFolder.discard`): there is nothing in it to resume.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from revtrain.errors import RevtrainError
 from revtrain.train.checkpoint import CHECKPOINT_NAME
+from revtrain.train.checkpoint_folder import latest_checkpoint
 from revtrain.train.files import remove_stale_temp_files
 
 __all__ = ["RUNS_ROOT", "RUN_FILES", "RUN_FOLDERS", "RunExistsError", "RunFolder", "clear_run_files", "find_latest_run", "folder_entries", "holds_run",
@@ -36,8 +38,9 @@ class RunExistsError(RevtrainError, ValueError):
 
 
 def holds_run(folder: str | Path) -> bool:
-    """Whether ``folder`` holds a run: it has a checkpoint to resume."""
-    return (Path(folder) / CHECKPOINT_NAME).is_file()
+    """Whether ``folder`` holds a run: it has a checkpoint to resume (``checkpoint.pt``, or a
+    complete checkpoint folder in ``checkpoints/``)."""
+    return latest_checkpoint(folder) is not None
 
 
 def folder_entries(folder: str | Path) -> list[str]:
@@ -62,7 +65,7 @@ def refuse_occupied(run_dir: str | Path, *, overwrite: bool, flag: str = "--run-
         return
     if holds_run(run_dir):
         raise RunExistsError(
-            f"{flag} {run_dir} already holds a run ({Path(run_dir) / CHECKPOINT_NAME}); nothing was changed. "
+            f"{flag} {run_dir} already holds a run ({latest_checkpoint(run_dir)}); nothing was changed. "
             f"Pass --resume {run_dir} to continue it, --overwrite to replace it by a new run, or choose another "
             f"{flag} for a new run"
         )

@@ -10,7 +10,7 @@ import torch
 from revtrain.models import create_model, input_spec
 from revtrain.models.sampling import sample_text
 from revtrain.train.build import MODEL_OVERRIDES
-from revtrain.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from revtrain.train.checkpoint_folder import checkpoint_of, read_checkpoint
 from revtrain.train.config import ConfigError
 
 __all__ = ["SampleConfig", "sample_from_checkpoint"]
@@ -44,10 +44,8 @@ class SampleConfig:
 
 def sample_from_checkpoint(config: SampleConfig) -> str:
     """Load the run's model from its checkpoint (checksum checked) and continue the prompt."""
-    path = Path(config.checkpoint)
-    if path.is_dir():
-        path = path / CHECKPOINT_NAME
-    state = load_checkpoint(path)
+    path = checkpoint_of(config.checkpoint)
+    state = read_checkpoint(path)
     name = state["model_name"]
     spec = input_spec(name)
     if spec.kind != "tokens":

@@ -29,6 +29,7 @@ from revtrain.train.checkpoint import (
     check_model_state,
     restore_rng_state,
 )
+from revtrain.train.checkpoint_folder import load_folder_tensors
 from revtrain.train.config import TrainConfig
 from revtrain.train.metrics import EpochStats
 
@@ -150,6 +151,8 @@ class TrainingState:
                  data_info: DatasetInfo, task_name: str) -> None:
         self.model, self.model_name, self.parts = model, model_name, dict(parts)
         self.data_info, self.task_name = data_info, task_name
+        self.tensors_restored = False
+        """Whether :meth:`restore_tensors` loaded a checkpoint folder's tensors already."""
 
     def capture(self, config: TrainConfig) -> dict[str, Any]:
         """Everything an exact resume needs (the checkpoint's content)."""
@@ -173,8 +176,10 @@ class TrainingState:
                 than the message.
         """
         check_model_state(path, state, self.model_name, self.model)
+        in_folder = set(state.get("folder_parts", ()))  # loaded later by restore_tensors
         missing = [name for name, part in self.parts.items()
-                   if part is not None and (state.get(name) is None if name in REQUIRED_PARTS else name not in state)]
+                   if part is not None and name not in in_folder
+                   and (state.get(name) is None if name in REQUIRED_PARTS else name not in state)]
         if missing:
             raise IncompatibleCheckpointError(
                 f"checkpoint {path} holds no {' or '.join(missing)} state, so it cannot continue the run "
@@ -189,7 +194,8 @@ class TrainingState:
                 f"{self.data_info.name!r}; pass --dataset {saved_data['name']} to resume it"
             )
         try:
-            self.model.load_state_dict(state["model"])
+            if state.get("model") is not None:
+                self.model.load_state_dict(state["model"])
             set_modes(self.model, state["modes"])
             for name, part in self.parts.items():
                 if part is not None and state.get(name) is not None:
@@ -200,3 +206,15 @@ class TrainingState:
                 "run that wrote it (its config.json), or start a fresh run without --resume"
             ) from None
         restore_rng_state(state["rng"])
+
+    def restore_tensors(self, state: Mapping[str, Any], path: str | Path | None) -> None:
+        """Load a checkpoint folder's model and optimizer (read by
+        :func:`~revtrain.train.checkpoint_folder.load_folder_tensors`) into the model and the
+        ``"optimizer"`` part, once they are wrapped or sharded; a no-op for a checkpoint file,
+        which :meth:`restore` loaded whole, and once loaded (an engine that cuts the model, as
+        PETRA's, loads them before). Every process of the run calls it."""
+        if self.tensors_restored or state.get("model") is not None or "model_shapes" not in state:
+            return
+        assert path is not None
+        load_folder_tensors(path, state, self.model, self.parts.get("optimizer"))  # type: ignore[arg-type]
+        self.tensors_restored = True

@@ -2,21 +2,25 @@
 
 The Trainer owns the run (config, folder, epochs, evaluation, metrics, checkpoints,
 interrupts, resume, the memory report); an :class:`~revtrain.train.engine.Engine` owns how the
-gradients of one step are computed and how the processes of a run agree (one process:
-:class:`~revtrain.train.engine.LocalEngine`; DDP and FSDP2: :mod:`revtrain.parallel.replicas`).
-The loop never asks which engine it has.
+micro-batches of one step become an update and how the processes of a run agree (one process:
+:class:`~revtrain.train.engine.LocalEngine`; DDP and FSDP2: :mod:`revtrain.parallel.replicas`;
+PETRA's stages: :mod:`revtrain.parallel.petra_engine`). The loop never asks which engine it has.
 
-A step (:meth:`Trainer.train_step`) takes ``accumulation`` micro-batches: for each,
-:meth:`Trainer.forward_backward` runs the model and the task's loss and backpropagates the
-micro-batch's share of the step's mean loss (gradients accumulate); then
-:meth:`Trainer.optimizer_step` applies the update and advances the schedule, which counts
-optimizer steps. What is learnt (loss, metrics, their formatting, the example batch of the
-memory report) comes from a :class:`~revtrain.tasks.Task`.
+A step (:meth:`Trainer.train_step`) takes ``accumulation`` micro-batches: the engine's
+:meth:`~revtrain.train.engine.Engine.step` runs them (for the gradient engines,
+:meth:`Trainer.forward_backward` runs the model and the task's loss and backpropagates each
+micro-batch's share of the step's mean loss, so gradients accumulate), the loss is checked for
+divergence, then the engine applies the update (:meth:`Trainer.optimizer_step`) and the
+schedule, which counts optimizer steps, moves on. What is learnt (loss, metrics, their
+formatting, the example batch of the memory report) comes from a :class:`~revtrain.tasks.Task`.
 
 The loop follows :mod:`revtrain.data.loader`: the training loader knows its position, every
 other piece of state is in :class:`~revtrain.train.state.TrainingState`, and
-:meth:`Trainer.save_checkpoint` writes all of it between two steps, so a resumed run (mid-epoch
-too) computes exactly what the uninterrupted run would have (bit for bit on CPU).
+:meth:`Trainer.save_checkpoint` writes all of it between two steps, through the engine's
+checkpoint store (:mod:`revtrain.train.checkpoint_store`: ``checkpoint.pt``, or one
+``torch.distributed.checkpoint`` folder per saved step), so a resumed run (mid-epoch
+too) computes exactly what the uninterrupted run would have (bit for bit on CPU; PETRA's engine
+drains its pipeline before a checkpoint inside an epoch, so there from an epoch's end).
 
 Ctrl-C or SIGTERM asks the loop to stop after the current step; it then saves a checkpoint,
 prints how to resume and raises :class:`TrainingInterrupted`. A second signal aborts at once.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import signal
 import sys
@@ -47,7 +52,6 @@ from revtrain.memory import format_bytes
 from revtrain.tasks import add_sums
 from revtrain.compilation import compile_model
 from revtrain.train.build import build_model, fit_model_to_data, text_window
-from revtrain.train.checkpoint import non_finite_entries, save_checkpoint
 from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.divergence import TrainingDivergedError, divergence_reason
 from revtrain.train.engine import Engine, LocalEngine
@@ -55,7 +59,6 @@ from revtrain.train.environment import busy_cpu_note, resolve_device, seed_every
 from revtrain.train.files import atomic_write_text
 from revtrain.train.interrupts import StopSignals, TrainingInterrupted
 from revtrain.train.loggers import open_sinks, write_curves
-from revtrain.train.retention import CheckpointRetention
 from revtrain.train.grad_angle import GradAngleMonitor
 from revtrain.train.memory_strategy import apply_memory_strategy
 from revtrain.train.metrics import EpochStats, MetricsWriter, live_memory, measure_step_memory
@@ -149,9 +152,7 @@ class Trainer:
         self.run_dir = run.run_dir
         self.folder = RunFolder(run.run_dir)
         self.checkpoint_path = self.folder.checkpoint_path
-        self.retention = CheckpointRetention(self.run_dir / "checkpoints", config.keep_checkpoints,
-                                             f"test_{self.task.headline}", self.task.higher_is_better) \
-            if config.keep_checkpoints else None
+        self.checkpoints = self.engine.checkpoint_store(self)
         self.plan: Any = None
         self.last_loss = float("nan")
         self._memory: tuple[int | None, str] = (None, "")
@@ -163,9 +164,16 @@ class Trainer:
         self.metrics: MetricsWriter | None = None
         if self.engine.writes_files:
             self.folder.open(log=self._log)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
+        """Parameters of the whole model (an engine may keep only a part of them in this process)."""
+        self.resumed_state = run.state
+        """The checkpoint resumed from (read by the engine's ``attach``; None afterwards)."""
         try:
             self._open_run(run)
             self.engine.attach(self)
+            if run.state is not None:  # a checkpoint folder's model and optimizer load into the attached ones
+                self.state.restore_tensors(run.state, run.checkpoint)
+            self.resumed_state = None
         except BaseException:
             self._discard_if_unsaved(say=False)  # the user never saw this folder
             raise
@@ -289,23 +297,18 @@ class Trainer:
     def train_step(self, *batches: Batch) -> tuple[float, dict[str, float]]:
         """One optimizer step on ``accumulation`` micro-batches (their gradients averaged, each
         weighted by its samples, as one batch of all of them): returns the step's mean loss and
-        the task's sums over every micro-batch and process.
+        the task's sums over every micro-batch and process (NaN and the sums of what finished,
+        when the engine's pipeline finished no micro-batch in this step).
 
         Raises:
             TrainingDivergedError: the loss diverged; the update was not applied.
         """
-        self.optimizer.zero_grad(set_to_none=True)
-        total = sum(len(b[1]) for b in batches)
-        loss: torch.Tensor | float = 0.0
-        sums: dict[str, float] = {}
-        for i, batch in enumerate(batches):
-            share, mine = self.forward_backward(batch, total=total, last=i == len(batches) - 1)
-            loss = loss + share
-            add_sums(sums, mine)
-        sums, value = self.engine.all_sum(sums, torch.as_tensor(loss))
-        self._check_divergence(value)
-        self.optimizer_step()
-        return value, sums
+        loss, sums = self.engine.step(self, batches)
+        sums, value = self.engine.all_sum(sums, loss)
+        if value is not None:  # None: no micro-batch finished its loss in this step (a filling pipeline)
+            self._check_divergence(value)
+        self.engine.apply(self)
+        return (float("nan") if value is None else value), sums
 
     def forward_backward(self, batch: Batch, *, total: int | None = None,
                          last: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
@@ -335,8 +338,17 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        self.advance_schedule()
+
+    def advance_schedule(self) -> None:
+        """Count one optimizer step: the learning-rate schedule and the step count move on."""
         self.scheduler.step()
         self.progress.step += 1
+
+    @property
+    def epoch_done(self) -> bool:
+        """Whether the training loader has given the current epoch's last micro-batch."""
+        return self.train_loader.next_batch >= self.batches_per_epoch
 
     def _check_divergence(self, loss: float) -> None:
         reason = divergence_reason(loss, self.progress.reference_loss, self.config.divergence_factor)
@@ -390,7 +402,8 @@ class Trainer:
         mem_bytes, mem_kind = self._memory
         if self.step % self.config.log_every == 0:
             assert self.metrics is not None
-            self.metrics.write("step", step=self.step, epoch=epoch, loss=self.last_loss,
+            self.metrics.write("step", step=self.step, epoch=epoch,
+                               loss=None if math.isnan(self.last_loss) else self.last_loss,
                                **{k: v for k, v in running.items() if k != "loss"}, lr=lr,
                                samples_per_s=stats.throughput, memory_bytes=mem_bytes, memory_kind=mem_kind)
         if not bar.disable:
@@ -458,7 +471,11 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, path: str | os.PathLike[str] | None = None) -> Path:
-        """Write the training state atomically (default: ``<run_dir>/checkpoint.pt``); returns the path.
+        """Write the training state atomically; returns the path.
+
+        The engine first settles what is in flight; by default the state goes where the engine's
+        checkpoint store puts it: ``<run_dir>/checkpoint.pt`` for one process and for PETRA (the
+        stages gathered on rank 0), ``<run_dir>/checkpoints/step-<step>/`` for a data-parallel run.
 
         Raises:
             TrainingDivergedError: the weights hold NaN or infinity; the previous checkpoint is kept.
@@ -466,31 +483,26 @@ class Trainer:
         """
         if self._phase == "step":
             raise RuntimeError("cannot checkpoint in the middle of a training step")
-        state = self.engine.full_state(self.state.capture(self.config))
-        bad = non_finite_entries(state["model"])
+        self.engine.settle(self)
+        state, bad = self.checkpoints.prepare(self.state.capture(self.config))
         if bad:  # every process sees the same weights, so every process stops here
             raise TrainingDivergedError(
                 f"the weights turned NaN or infinite by step {self.step} ({', '.join(bad[:3])}); no checkpoint "
                 f"was written, and {self._kept_checkpoint()}. Lower --lr (now {self.config.lr:g}) or "
                 "lengthen --warmup-epochs, then start again"
             )
-        target = Path(path) if path is not None else self.checkpoint_path
-        if self.engine.writes_files:
-            save_checkpoint(state, target)
-            if path is None and self.retention is not None:
-                self.retention.after_save(target, self.step, self.history)
-        self.engine.saved()
-        return target
+        return self.checkpoints.save(state, path)
 
     def _kept_checkpoint(self) -> str:
-        if self.checkpoint_path.exists():
-            return f"the last checkpoint, {self.checkpoint_path}, is kept"
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            return f"the last checkpoint, {latest}, is kept"
         return "no checkpoint had been saved yet"
 
     def _on_interrupt(self, stop: KeyboardInterrupt) -> None:
         if self._phase == "step":
-            exists = self.checkpoint_path.exists()
-            where = f"{self.checkpoint_path} is untouched" if exists else "none was saved"
+            latest = self.checkpoints.latest()
+            where = f"{latest} is untouched" if latest is not None else "none was saved"
             self._log(f"aborted inside a training step at step {self.step}: no checkpoint written "
                       f"(the last one, {where})", err=True)
             return
@@ -519,6 +531,7 @@ class Trainer:
         return next(iter(probe))
 
     def _summarize(self) -> dict[str, Any]:
+        extra, extra_lines = self.engine.report(self)  # every process: it may gather
         if not self.engine.writes_files:
             return {}
         p, this = self.progress, self._this_process
@@ -562,10 +575,14 @@ class Trainer:
                 f"step memory (batch {report.batch_size}, {modes}): {format_bytes(report.run_bytes)}; "
                 f"plain backprop needs {format_bytes(report.plain_bytes)} ({report.ratio:.2f}x)"
             )
+        summary.update(extra)
+        lines += extra_lines
         angle_line = self.grad_angles.summary_line() if self.grad_angles is not None else None
         if angle_line is not None:
             lines.append(angle_line)
-        lines.append(f"run folder: {self.run_dir} (summary.json, metrics.jsonl, checkpoint.pt)")
+        latest = self.checkpoints.latest()
+        saved = latest.relative_to(self.run_dir) if latest is not None else "no checkpoint"
+        lines.append(f"run folder: {self.run_dir} (summary.json, metrics.jsonl, {saved})")
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         assert self.metrics is not None
         self.metrics.write("summary", **summary)
@@ -583,7 +600,7 @@ class Trainer:
     def _header(self) -> str:
         info, modes = self.data_info, get_modes(self.model)
         counts = f"{sum(m == 'M' for m in modes.values())} M / {sum(m == 'C' for m in modes.values())} C"
-        params = sum(p.numel() for p in self.model.parameters())
+        params = self.num_params
         return (
             f"revtrain: {self.config.model} ({params / 1e6:.2f}M params, "
             f"{f'{len(modes)} reversible blocks: {counts}' if modes else 'no reversible blocks'}) on "

@@ -2,7 +2,7 @@
 
 Tiny runs (a few steps on digits, 2 gloo processes, one thread each): the CLI's PETRA run on
 processes equals its simulator run bit for bit; DDP and FSDP2 runs equal one process on the
-same batches; their checkpoints resume in one process; bad input fails before any process
+same batches; their checkpoint folders resume in one process; bad input fails before any process
 starts; a killed worker ends the run with a message naming it, within the bound.
 """
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from revtrain.cli import main
+from revtrain.train.checkpoint_folder import latest_checkpoint, read_checkpoint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,27 +34,40 @@ DATA_PARALLEL = ["--model", "revvit_digits", "--epochs", "1", "--max-steps-per-e
 
 
 def _stage_states(run: Path) -> list[dict]:
-    files = sorted((run / "checkpoints").glob("stage*-epoch1.pt"))
-    assert [f.name for f in files] == ["stage0-epoch1.pt", "stage1-epoch1.pt"]
+    files = sorted((run / "checkpoints").glob("stage*-step*.pt"))
+    assert [f.name for f in files] == ["stage0-step3.pt", "stage1-step3.pt"]
     return [torch.load(f, weights_only=False)["worker"] for f in files]
 
 
 def test_petra_from_the_cli_on_processes_equals_the_simulator(tmp_path: Path) -> None:
+    """The Trainer with the PETRA engine on 2 processes and in the simulator: the same records
+    (one writer), the same stage states and the same gathered model, bit for bit."""
     assert main(["train", *PETRA, "--run-dir", str(tmp_path / "proc")]) == 0
     assert main(["train", *PETRA, "--engine", "simulator", "--run-dir", str(tmp_path / "sim")]) == 0
     for run in ("proc", "sim"):
-        lines = (tmp_path / run / "metrics.jsonl").read_text().splitlines()
-        assert len(lines) == 1 and json.loads(lines[0])["updates"] == [3, 3]
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3]
+        assert [r["epoch"] for r in records if r["event"] == "epoch"] == [0]
         summary = json.loads((tmp_path / run / "summary.json").read_text())
-        assert [m["stage"] for m in summary["memory"]] == [0, 1]
+        assert [m["stage"] for m in summary["petra"]["memory"]] == [0, 1]
+        assert [m["updates"] for m in summary["petra"]["memory"]] == [3, 3]
     for proc, sim in zip(_stage_states(tmp_path / "proc"), _stage_states(tmp_path / "sim")):
         for unit, state in sim["units"].items():
             for key, value in state.items():
                 assert torch.equal(proc["units"][unit][key], value), (unit, key)
+    proc, sim = _weights(tmp_path / "proc"), _weights(tmp_path / "sim")
+    assert proc.keys() == sim.keys() and all(torch.equal(proc[k], sim[k]) for k in sim)
+
+
+def _latest(run: Path) -> dict:
+    """The run's latest checkpoint, file or folder (data-parallel runs write folders), read whole."""
+    latest = latest_checkpoint(run)
+    assert latest is not None, f"{run} holds no checkpoint"
+    return read_checkpoint(latest)
 
 
 def _weights(run: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoint.pt", weights_only=False)["model"]
+    return _latest(run)["model"]
 
 
 def test_data_parallel_and_sharded_runs_equal_one_process_and_resume_anywhere(tmp_path: Path) -> None:
@@ -74,7 +88,8 @@ def test_data_parallel_and_sharded_runs_equal_one_process_and_resume_anywhere(tm
         records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3]  # one writer: rank 0
     assert start["progress"]["step"] == 3
-    # A sharded run's checkpoint has the single-process format: one process resumes it.
+    # A sharded run's checkpoint folder (each rank wrote its shards) resumes in one process.
+    assert latest_checkpoint(tmp_path / "fsdp") == tmp_path / "fsdp" / "checkpoints" / "step-00000003"
     assert main(["train", *DATA_PARALLEL, "--epochs", "2", "--resume", str(tmp_path / "fsdp")]) == 0
     resumed = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=False)
     assert resumed["progress"]["step"] == 6
@@ -83,7 +98,7 @@ def test_data_parallel_and_sharded_runs_equal_one_process_and_resume_anywhere(tm
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--stages", "0"], "--stages must be an integer >= 1"),
+        (["--stages", "0"], "stages must be an integer >= 1"),
         (["--stages", "40"], "blocks"),
         (["--stages", "2", "--split", "1,1"], "split"),
         (["--stages", "2", "--split", "3,x"], "mixes counts and names"),
@@ -153,7 +168,7 @@ def test_a_killed_worker_ends_a_cli_run_with_a_clear_message(flags: list[str], w
     assert who in err and "killed by SIGKILL" in err and "StageFailedError" in err, err
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])  # one Ctrl-C: test_engine_conformance.py
 def test_a_signal_to_the_launcher_ends_every_rank_and_saves_a_checkpoint(sig: signal.Signals, tmp_path: Path) -> None:
     """SIGTERM and one Ctrl-C (SIGINT) reach every rank once (the agent forwards them): the run
     saves a checkpoint at one step on every rank and ends with 128 + the signal. ``kill -9`` of
@@ -187,7 +202,7 @@ def test_a_signal_to_the_launcher_ends_every_rank_and_saves_a_checkpoint(sig: si
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     stop = [r for r in records if r["event"] == "interrupt"]
     assert len(stop) == 1 and stop[0]["signal"] == sig.name, err
-    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    saved = _latest(run_dir)
     assert saved["progress"]["step"] == stop[0]["step"]
 
 
@@ -259,12 +274,12 @@ def test_every_engine_refuses_the_same_bad_options_before_anything_runs(
     assert not run_dir.exists()
 
 
-@pytest.mark.parametrize(("engine", "layout"), [*((e, "checkpoint.pt") for e in ENGINES),
-                                                 ("petra", "checkpoints/latest.json")])
+@pytest.mark.parametrize(("engine", "layout"), [(e, layout) for e in ENGINES for layout in
+                                                 ("checkpoint.pt", "checkpoints/step-00000001/manifest.json")])
 def test_every_engine_refuses_a_folder_holding_a_run(engine: str, layout: str, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """A folder holding a single-process or data-parallel run (checkpoint.pt), or a PETRA run
-    (checkpoints/latest.json), is refused without --resume and left as it was."""
+    """A folder holding a run (checkpoint.pt, or a data-parallel run's complete checkpoint folder)
+    is refused without --resume and left as it was."""
     run_dir = tmp_path / "run"
     (run_dir / layout).parent.mkdir(parents=True, exist_ok=True)
     (run_dir / layout).write_text("{}")

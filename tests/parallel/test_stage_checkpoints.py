@@ -13,21 +13,22 @@ from revtrain.train.checkpoint import CorruptCheckpointError, NonFiniteCheckpoin
 
 
 def _stage_state(value: float = 1.0) -> dict:
-    return {"stage_index": 0, "units": {"0.weight": torch.full((64, 64), value)},
-            "optimizer": {"state": {}, "param_groups": []}, "scheduler": None, "updates": 3, "pending": 0}
+    return {"worker": {"stage_index": 0, "units": {"0.weight": torch.full((64, 64), value)},
+                       "optimizer": {"state": {}, "param_groups": []}, "scheduler": None, "updates": 3, "pending": 0}}
 
 
 def test_a_stage_file_round_trips(tmp_path: Path) -> None:
     ckpt.save_stage(tmp_path, 0, 2, _stage_state())
-    ckpt.write_manifest(tmp_path, 2, 1)
-    state = ckpt.load_stage(tmp_path, 0, 1)
-    assert state is not None and state["epoch"] == 2 and state["updates"] == 3
-    assert torch.equal(state["units"]["0.weight"], torch.ones(64, 64))
+    ckpt.save_stage(tmp_path, 0, 4, _stage_state(2.0))
+    state = ckpt.load_stage(tmp_path, 0, 2)
+    assert state["step"] == 2 and state["worker"]["updates"] == 3
+    assert torch.equal(state["worker"]["units"]["0.weight"], torch.ones(64, 64))
+    ckpt.prune(tmp_path, 0, 4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stage0-step4.pt"]
 
 
 def test_flipped_bytes_inside_a_tensor_are_refused_by_the_checksum(tmp_path: Path) -> None:
     path = ckpt.save_stage(tmp_path, 0, 1, _stage_state())
-    ckpt.write_manifest(tmp_path, 1, 1)
     data = bytearray(path.read_bytes())
     ones = torch.ones(64, dtype=torch.float32).numpy().tobytes()
     at = data.find(ones)  # inside the stored weight
@@ -40,6 +41,5 @@ def test_flipped_bytes_inside_a_tensor_are_refused_by_the_checksum(tmp_path: Pat
 
 def test_a_stage_saved_with_nan_weights_is_refused(tmp_path: Path) -> None:
     ckpt.save_stage(tmp_path, 0, 1, _stage_state(math.nan))
-    ckpt.write_manifest(tmp_path, 1, 1)
     with pytest.raises(NonFiniteCheckpointError, match="NaN or infinite weights .*0.weight"):
         ckpt.load_stage(tmp_path, 0, 1)

@@ -72,9 +72,9 @@ def test_bad_files_name_the_file_and_the_problem(tmp_path: Path, text: str, suff
 
 def test_parallel_options_from_a_file_reach_their_group(tmp_path: Path) -> None:
     path = tmp_path / "p.toml"
-    path.write_text("stages = 2\nlr = 0.05\n")
+    path.write_text("data_parallel = 2\nlr = 0.05\n")
     given, parallel = merge_with_file(path, [(TrainConfig, {"epochs": 3}), (ParallelConfig, {})])
-    assert given == {"lr": 0.05, "epochs": 3} and parallel == {"stages": 2}
+    assert given == {"lr": 0.05, "epochs": 3} and parallel == {"data_parallel": 2}
 
 
 def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

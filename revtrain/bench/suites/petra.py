@@ -120,7 +120,7 @@ def accuracy_tables(model: str, options, log) -> list[Table]:
             rows.append({"run": name, "command": command, "test_accuracy": test.get("acc", last.get("test_acc")),
                          "best_test_accuracy": max((r["test_acc"] for r in epochs_seen), default=None),
                          "train_loss": last.get("train_loss"), "wall_s": done["wall_s"]})
-            for s in summary.get("memory") or []:
+            for s in (summary.get("petra") or {}).get("memory") or []:
                 stages.append({"run": name, **{k: s.get(k) for k in ("stage", "first_unit", "last_unit", "reversible",
                                                                      "param_bytes", "optimizer_bytes", "peak_buffer_bytes")}})
     base = rows[0]["test_accuracy"]

@@ -52,7 +52,7 @@ from revtrain.memory import track_peak_memory
 from revtrain.models import create_model
 from revtrain.parallel import PetraConfig, split_model
 from revtrain.parallel.distributed import DistributedPipeline
-from revtrain.parallel.runner import measured_split
+from revtrain.parallel.petra_engine import measured_split
 from revtrain.tasks import Classification
 from revtrain.train.optim import param_groups
 

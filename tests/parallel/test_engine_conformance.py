@@ -1,0 +1,136 @@
+"""Every engine of the one Trainer keeps the same run features and refuses the same things.
+
+Parametrised over the engines: ``local`` (one process), ``data-parallel`` (DDP, 2 gloo ranks),
+``petra-simulator`` (2 stages in this process) and ``petra-processes`` (2 stages, 2 gloo ranks).
+For each: the metrics records, the evaluation and the memory report of a finished run; a run
+checkpointed after epoch 1 and resumed equals the uninterrupted run bit for bit (for PETRA's
+processes, the simulator's uninterrupted run, which they equal bit for bit); each engine's
+checkpoint store (``checkpoint.pt``; a data-parallel run's ``torch.distributed.checkpoint``
+folders); one Ctrl-C saves a checkpoint at the step it names; and the same refusals before anything runs (a bad
+option, a folder holding a run, a resume with another batch size). Tiny runs: RevNet-38 on
+digits, 2 steps an epoch, one thread per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from revtrain.cli import main
+from revtrain.train.checkpoint_folder import latest_checkpoint, read_checkpoint
+
+pytestmark = pytest.mark.multiprocess
+
+REPO = Path(__file__).resolve().parents[2]
+
+ENGINES = {
+    "local": [],
+    "data-parallel": ["--data-parallel", "2"],
+    "petra-simulator": ["--stages", "2", "--engine", "simulator", "--balance", "count"],
+    "petra-processes": ["--stages", "2", "--balance", "count"],
+}
+RUN = ["--epochs", "2", "--max-steps-per-epoch", "2", "--batch-size", "16", "--eval-batch-size", "360",
+       "--threads", "1", "--quiet"]
+
+
+def _records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _latest(run: Path, engine: str, *, weights: bool = True) -> dict:
+    """The run's latest checkpoint, read: ``checkpoint.pt`` (one process, PETRA) or, for a
+    data-parallel run, its newest ``torch.distributed.checkpoint`` folder."""
+    latest = latest_checkpoint(run)
+    if engine == "data-parallel":
+        assert latest is not None and latest.parent == run / "checkpoints" and latest.is_dir(), latest
+    else:
+        assert latest == run / "checkpoint.pt", latest
+    return read_checkpoint(latest, weights=weights)
+
+
+def _weights(run: Path, engine: str) -> dict[str, torch.Tensor]:
+    return _latest(run, engine)["model"]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_records_evaluation_memory_report_and_exact_resume(engine: str, tmp_path: Path) -> None:
+    flags = ENGINES[engine]
+    full, split = tmp_path / "full", tmp_path / "split"
+    # PETRA's processes equal its simulator bit for bit (test_cli.py): the uninterrupted run is the simulator's
+    uninterrupted = ENGINES["petra-simulator"] if engine == "petra-processes" else flags
+    assert main(["train", *uninterrupted, *RUN, "--run-dir", str(full)]) == 0
+    records = _records(full)
+    assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3, 4]  # one writer
+    epochs = [r for r in records if r["event"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [0, 1]
+    assert all(0 <= r["test_acc"] <= 1 and r["test_loss"] > 0 and r["train_loss"] > 0 for r in epochs)
+    summary = json.loads((full / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["test_acc"] == epochs[-1]["test_acc"]
+    if engine.startswith("petra"):  # every stage's memory
+        memory = summary["petra"]["memory"]
+        assert [m["stage"] for m in memory] == [0, 1] and all(m["param_bytes"] > 0 for m in memory)
+    else:  # one step's memory in the run's modes and with plain backprop
+        assert summary["step_peak_bytes"] > 0 and summary["plain_backprop_peak_bytes"] > 0
+    assert json.loads((full / "config.json").read_text())["stages"] == (2 if engine.startswith("petra") else None)
+
+    assert main(["train", *flags, *RUN, "--epochs", "1", "--no-memory-report", "--run-dir", str(split)]) == 0
+    assert main(["train", *flags, *RUN, "--no-memory-report", "--resume", str(split)]) == 0
+    want = _weights(full, "petra-simulator" if engine == "petra-processes" else engine)
+    got = _weights(split, engine)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    again = [r for r in _records(split) if r["event"] == "epoch"]
+    assert again[-1]["test_loss"] == epochs[-1]["test_loss"]
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_one_ctrl_c_saves_a_checkpoint_and_the_refusals_are_the_same(engine: str, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "revtrain.cli", "train", *ENGINES[engine], "--epochs", "1000",
+           "--max-steps-per-epoch", "4", "--batch-size", "16", "--eval-batch-size", "360", "--threads", "1",
+           "--no-memory-report", "--quiet", "--run-dir", str(run)]
+    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while '"event": "step"' not in _text(run / "metrics.jsonl"):  # training is under way
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    stop = [r for r in _records(run) if r["event"] == "interrupt"]
+    assert len(stop) == 1 and stop[0]["signal"] == "SIGINT", err
+    assert _latest(run, engine, weights=False)["progress"]["step"] == stop[0]["step"]
+
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    refusals = [
+        (["--lr", "inf", "--run-dir", str(tmp_path / "new")], "lr (--lr) must be a finite number"),
+        (["--run-dir", str(run)], "already holds a run"),
+        (["--resume", str(run), "--batch-size", "32"], "cannot resume"),
+    ]
+    for argv, message in refusals:
+        assert main(["train", *ENGINES[engine], "--epochs", "1000", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err, (argv, err)
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
+    assert not (tmp_path / "new").exists()
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
