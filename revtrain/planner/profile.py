@@ -294,7 +294,11 @@ def _forward_saved(setup: MeasurementSetup, exclude: set[int]) -> tuple[int, int
             ptr = st.data_ptr()
             if ptr not in exclude and st.nbytes():
                 saved[ptr] = st
-        return t
+        # A detached alias (same storage, no grad_fn), never ``t`` itself: packing an output of
+        # the node that saves it would make a cycle through autograd's C++ graph (tensor ->
+        # grad_fn -> saved value -> tensor) that Python's gc cannot see, so the whole forward's
+        # graph and activations would outlive ``loss``.
+        return t.detach()
 
     with track_peak_memory(device) as mem:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
