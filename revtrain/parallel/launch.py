@@ -115,13 +115,15 @@ def _cause(failure: object) -> str:
 
 
 def die_with_launcher() -> None:
-    """Have the kernel send this rank SIGTERM when its launcher dies (Linux ``PR_SET_PDEATHSIG``):
-    a launcher killed with ``kill -9`` leaves no rank running unseen; the ranks save a checkpoint
-    and end. Elsewhere a no-op."""
+    """Have the kernel kill this rank when its launcher dies (Linux ``PR_SET_PDEATHSIG`` with
+    SIGKILL): a launcher killed with ``kill -9`` leaves no rank running unseen. The rank ends at
+    once, without a checkpoint: the launcher hosted the run's rendezvous store, so the ranks could
+    no longer agree on a save (a stop they tried could wait on its peers until the collective
+    timeout). SIGTERM or Ctrl-C to a living launcher is what saves a checkpoint. Elsewhere a no-op."""
     if not sys.platform.startswith("linux"):
         return
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except OSError:
         pass
 

@@ -172,7 +172,7 @@ def test_a_killed_worker_ends_a_cli_run_with_a_clear_message(flags: list[str], w
 def test_a_signal_to_the_launcher_ends_every_rank_and_saves_a_checkpoint(sig: signal.Signals, tmp_path: Path) -> None:
     """SIGTERM and one Ctrl-C (SIGINT) reach every rank once (the agent forwards them): the run
     saves a checkpoint at one step on every rank and ends with 128 + the signal. ``kill -9`` of
-    the launcher ends every rank too (they get SIGTERM from the kernel): none is left running."""
+    the launcher ends every rank too (the kernel kills them: ``PR_SET_PDEATHSIG``): none is left running."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "revtrain.cli", "train", "--data-parallel", "2", "--dataset", "synthetic",
            "--image-size", "8", "--batch-size", "16", "--eval-batch-size", "256", "--max-steps-per-epoch", "4",
