@@ -23,6 +23,8 @@ import torch
 from revtrain.cli import main
 from revtrain.train.checkpoint_folder import latest_checkpoint, read_checkpoint
 
+from .launched import launch_until_training
+
 pytestmark = pytest.mark.multiprocess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,14 +179,8 @@ def test_a_signal_to_the_launcher_ends_every_rank_and_saves_a_checkpoint(sig: si
     cmd = [sys.executable, "-m", "revtrain.cli", "train", "--data-parallel", "2", "--dataset", "synthetic",
            "--image-size", "8", "--batch-size", "16", "--eval-batch-size", "256", "--max-steps-per-epoch", "4",
            "--epochs", "1000", "--run-dir", str(run_dir), "--quiet"]
-    launcher = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    launcher = launch_until_training(cmd, run_dir, 120)
     try:
-        deadline = time.monotonic() + 120
-        while '"event": "step"' not in _text(run_dir / "metrics.jsonl"):  # training is under way
-            assert launcher.poll() is None, launcher.communicate()
-            assert time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.2)
         ranks = _children(launcher.pid)
         assert sorted(ranks) == [0, 1]
         os.kill(launcher.pid, sig)
@@ -205,12 +201,6 @@ def test_a_signal_to_the_launcher_ends_every_rank_and_saves_a_checkpoint(sig: si
     saved = _latest(run_dir)
     assert saved["progress"]["step"] == stop[0]["step"]
 
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
 
 
 def _alive(pid: int) -> bool:

@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,9 +25,9 @@ import torch
 from revtrain.cli import main
 from revtrain.train.checkpoint_folder import latest_checkpoint, read_checkpoint
 
-pytestmark = pytest.mark.multiprocess
+from .launched import launch_until_training
 
-REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.multiprocess
 
 ENGINES = {
     "local": [],
@@ -97,14 +95,8 @@ def test_one_ctrl_c_saves_a_checkpoint_and_the_refusals_are_the_same(engine: str
     cmd = [sys.executable, "-m", "revtrain.cli", "train", *ENGINES[engine], "--epochs", "1000",
            "--max-steps-per-epoch", "4", "--batch-size", "16", "--eval-batch-size", "360", "--threads", "1",
            "--no-memory-report", "--quiet", "--run-dir", str(run)]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = launch_until_training(cmd, run, 180)
     try:
-        deadline = time.monotonic() + 180
-        while '"event": "step"' not in _text(run / "metrics.jsonl"):  # training is under way
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.2)
         os.kill(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
@@ -128,9 +120,3 @@ def test_one_ctrl_c_saves_a_checkpoint_and_the_refusals_are_the_same(engine: str
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
     assert not (tmp_path / "new").exists()
 
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
