@@ -73,10 +73,6 @@ def _build_parser() -> argparse.ArgumentParser:
     }, exclude=PROFILE_OPTIONS)
     # --repeats, --refine, --t-e-max-pairs, ...: the same options as revtrain plan's, one definition
     _add_config_options(train.add_argument_group("planning (with --budget)"), ProfileOptions)
-    from revtrain.parallel.command import ParallelConfig
-
-    # --data-parallel (DDP), --shard (FSDP2), and how --stages (PETRA) starts: revtrain/parallel/command.py
-    _add_config_options(train.add_argument_group("several processes (PETRA, DDP, FSDP2)"), ParallelConfig)
     train.add_argument("--config", metavar="FILE", default=None,
                        help="read options from a .toml or .json file (a run's config.json works); options "
                             "given on the command line override it (revtrain.train.config_file)")
@@ -114,17 +110,16 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from revtrain.parallel.command import ParallelConfig, run_parallel, single_process_engine
+    from revtrain.parallel.command import run_parallel, single_process_engine
     from revtrain.train import TrainConfig, Trainer, TrainingInterrupted, resolve_run
-
     from revtrain.train.config_file import merge_with_file
 
-    given, parallel = merge_with_file(args.config, [(TrainConfig, _given(args, TrainConfig)),
-                                                    (ParallelConfig, _given(args, ParallelConfig))])
-    status = run_parallel(args.argv, given, parallel)
+    given = merge_with_file(args.config, TrainConfig, _given(args, TrainConfig))
+    status = run_parallel(args.argv, given)
     if status is not None:
         return status
-    trainer = Trainer(resolve_run(given), engine=single_process_engine(given))
+    run = resolve_run(given)
+    trainer = Trainer(run, engine=single_process_engine(run.config))
     try:
         trainer.fit()
     except TrainingInterrupted as stop:  # the checkpoint is saved and the trainer said where

@@ -1,13 +1,12 @@
 """``revtrain train`` on several processes: ``--stages J`` (PETRA), ``--data-parallel N`` (DDP), ``--shard`` (FSDP2).
 
-``--stages`` and PETRA's options are fields of :class:`~revtrain.train.TrainConfig` (the one run
-config); how the processes are started is :class:`ParallelConfig`, whose options
-``revtrain.cli`` adds to the ``train`` command. :func:`run_parallel` runs the command when it asks
-for several processes (None otherwise: the ordinary run in this process, with the engine of
-:func:`single_process_engine`). Every run validates its options as one process does
-(:class:`~revtrain.train.TrainConfig`: PETRA refuses there what its stages cannot honour) and
-resolves its folder and checkpoint once (:func:`~revtrain.train.resolve_run`) before any
-process starts; every rank is the ordinary :class:`~revtrain.train.Trainer` with its engine:
+Every option of a run, these included, is a field of :class:`~revtrain.train.TrainConfig`, the
+one run config that ``config.json`` records and that validates them (what PETRA or data
+parallelism cannot honour is refused there). :func:`run_parallel` runs the command when its
+config asks for several processes (None otherwise: the ordinary run in this process, with the
+engine of :func:`single_process_engine`). The run's folder and checkpoint are resolved once
+(:func:`~revtrain.train.resolve_run`) before any process starts; every rank is the ordinary
+:class:`~revtrain.train.Trainer` with its engine:
 
 - ``--stages J``: a :class:`~revtrain.parallel.petra_engine.PetraEngine`, on ``J`` ranks
   (``J x N`` with ``--data-parallel N``), or in this process with ``--engine simulator``;
@@ -15,57 +14,34 @@ process starts; every rank is the ordinary :class:`~revtrain.train.Trainer` with
   shards it with FSDP2.
 
 Local ranks start through torch's elastic agent (:func:`~revtrain.parallel.launch.launch_ranks`);
-under ``torchrun`` this process is one rank: it trains instead of launching.
+under ``torchrun`` this process is one rank: it trains instead of launching (:func:`_run_rank`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, NoReturn
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
 
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
 from revtrain.train.config import TrainConfig
 
-__all__ = ["ParallelConfig", "run_parallel", "single_process_engine"]
+__all__ = ["run_parallel", "single_process_engine", "check_petra_split"]
+
+_COLLECTIVE_TIMEOUT_S = 1800.0
+"""PETRA's collectives (the split's measurement on rank 0, evaluation, checkpoints) may take longer
+than a tick's wait for a neighbour (``--timeout``)."""
 
 
-@dataclass(kw_only=True)
-class ParallelConfig:
-    """How ``revtrain train`` spreads a run over processes (none of these: one process)."""
-
-    data_parallel: int | None = None
-    """DDP: train on N local processes, each on 1/N of every batch (same updates as one process on the whole batch); with --stages J, N replicas of every stage (J x N processes on a (pp, dp) device mesh)."""
-    shard: bool = False
-    """With --data-parallel: shard parameters, gradients and optimizer state over the processes (FSDP2)."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend: auto picks nccl on CUDA and gloo on CPU."""
-    port: int = 0
-    """Rendezvous port of the local processes (0: a free one)."""
-    timeout: float = 60.0
-    """Seconds a process waits for another before the run is ended as failed."""
-
-    def __post_init__(self) -> None:
-        value = self.data_parallel
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise PipelineConfigError(f"--data-parallel must be an integer >= 1, got {value!r}")
-        if self.shard and self.data_parallel is None:
-            raise PipelineConfigError("--shard shards over data-parallel processes; add --data-parallel N")
-        if not 0 <= self.port < 65536:
-            raise PipelineConfigError(f"--port must be in [0, 65535], got {self.port}")
-        if not self.timeout > 0:
-            raise PipelineConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
-
-
-def run_parallel(argv: Sequence[str], train_given: dict[str, Any], parallel_given: dict[str, Any]) -> int | None:
+def run_parallel(argv: Sequence[str], given: dict[str, Any]) -> int | None:
     """Run ``revtrain train`` on several processes if its options ask for it; None otherwise.
 
     Args:
         argv: The command line (``train ...``): what every local rank runs.
-        train_given: The :class:`~revtrain.train.TrainConfig` options given.
-        parallel_given: The :class:`ParallelConfig` options given.
+        given: The :class:`~revtrain.train.TrainConfig` options given.
 
     Returns:
         The exit status (1: a process failed, the message is printed; 128 + a signal that
@@ -74,34 +50,34 @@ def run_parallel(argv: Sequence[str], train_given: dict[str, Any], parallel_give
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
-    stages = train_given.get("stages")
-    if not parallel_given and stages is None:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if torchrun and world > 1:
-            raise PipelineConfigError(
-                f"torchrun started {world} processes but no parallel option was given: each would train the "
-                f"whole run into the same folder; add --data-parallel {world} (or --stages {world} for PETRA), "
-                "or start one process"
-            )
+    world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else 1
+    config = TrainConfig(**given)  # every engine validates the run's options as one process does
+    n = config.data_parallel
+    if n is None and (config.stages is None or config.engine == "simulator"):
+        if world > 1:
+            fix = ("use --engine processes" if config.stages is not None else
+                   f"add --data-parallel {world} (or --stages {world} for PETRA)")
+            raise PipelineConfigError(f"torchrun started {world} processes but this run trains in one: each would "
+                                      f"train the whole run into the same folder; {fix}, or start one process")
         return None
-    parallel = ParallelConfig(**parallel_given)
-    if ":" in str(train_given.get("device", "")):
-        raise PipelineConfigError(f"--device {train_given['device']} names one GPU, and each process of "
-                                  "--stages/--data-parallel takes the GPU of its local rank; pass --device cuda")
-    config = TrainConfig(**train_given)  # every engine validates the run's options as one process does
-    if config.stages is not None:
-        _check_petra(config, parallel)
-        if config.engine == "simulator":
-            if torchrun and int(os.environ["WORLD_SIZE"]) > 1:
-                raise PipelineConfigError("--engine simulator runs every stage in one process, and torchrun started "
-                                          f"{os.environ['WORLD_SIZE']}; use --engine processes, or start one process")
-            return None
     if torchrun:  # this process is one rank: it trains instead of launching
-        _run_rank(train_given, parallel, config.stages)
+        _run_rank(given, config)
+    stages = config.stages or 1
+    if config.stages is not None:
+        check_petra_split(config)
+    run = "PETRA run" if config.stages is not None else "data-parallel run"
+    world = stages * (n or 1)
+    if config.stages is None:
+        role = (lambda r: f"replica {r} of {world}")
+    elif n is None:
+        role = (lambda r: f"stage {r}")
+    else:
+        role = (lambda r: f"stage {r // n}, replica {r % n}")
     try:
-        if config.stages is not None:
-            return _run_petra(list(argv), train_given, parallel, config.stages)
-        return _run_data_parallel(list(argv), train_given, parallel)
+        from revtrain.parallel.launch import launch_ranks
+
+        launch_ranks([*argv, *_prepare(given, world)], world, role=role, run=run, port=config.port)
+        return 0
     except StageFailedError as err:
         print(f"revtrain train: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
@@ -111,30 +87,18 @@ def run_parallel(argv: Sequence[str], train_given: dict[str, Any], parallel_give
         return 128 + int(stop.sigval)
 
 
-def single_process_engine(train_given: dict[str, Any]) -> Any:
-    """The engine of a run in this process: PETRA's simulator for ``--stages J --engine simulator``,
-    else None (the Trainer's own, one process)."""
-    if train_given.get("stages") is not None and train_given.get("engine") == "simulator":
-        from revtrain.parallel.petra_engine import PetraEngine
+def single_process_engine(config: TrainConfig) -> Any:
+    """The engine of a resolved run in this process: PETRA's simulator for ``--stages J --engine
+    simulator``, else None (the Trainer's own, one process). A run whose checkpoint holds PETRA's
+    stages is refused here, before its folder is touched, unless it is given its stages again."""
+    if config.stages is None:
+        return None
+    if config.engine != "simulator":
+        raise PipelineConfigError(f"this run trains {config.stages} PETRA stages; pass --stages {config.stages} "
+                                  "(its checkpoint holds one state per stage)")
+    from revtrain.parallel.petra_engine import PetraEngine
 
-        return PetraEngine(simulate=True)
-    return None
-
-
-def _check_petra(config: TrainConfig, parallel: ParallelConfig) -> None:
-    """What a PETRA run cannot do with the process options, before anything starts."""
-    n = parallel.data_parallel
-    if n is None:
-        return
-    if parallel.shard:
-        raise PipelineConfigError("--shard with --stages: the replicas of a PETRA stage all-reduce their "
-                                  "gradients, they do not shard them; drop --shard")
-    if config.engine == "simulator":
-        raise PipelineConfigError("--engine simulator runs one replica of every stage; drop --data-parallel "
-                                  "or use --engine processes")
-    if config.batch_size % n:
-        raise PipelineConfigError(f"--batch-size {config.batch_size} cannot be cut into {n} equal replica slices; "
-                                  f"use a multiple of {n}")
+    return PetraEngine(simulate=True)
 
 
 def check_petra_split(config: TrainConfig) -> None:
@@ -155,38 +119,80 @@ def check_petra_split(config: TrainConfig) -> None:
         plan_segments(stage, config.input_buffer)  # refuses input_buffer="none" on a non-reversible stage
 
 
-def _run_rank(train_given: dict[str, Any], parallel: ParallelConfig, stages: int | None) -> NoReturn:
-    """One rank of the run (started by the local launcher or torchrun): the Trainer with its engine."""
-    from revtrain.parallel.launch import run_rank
-    from revtrain.parallel.petra_engine import run_petra_rank
-    from revtrain.parallel.replicas import run_data_parallel_rank
+def _prepare(given: Mapping[str, Any], world: int) -> list[str]:
+    """Resolve the run before any process starts; returns the options every rank adds.
 
-    if stages is not None:
-        run_rank(lambda: run_petra_rank(train_given, parallel.data_parallel or 1, backend=parallel.backend,
-                                        timeout=parallel.timeout))
-    run_rank(lambda: run_data_parallel_rank(train_given, parallel.data_parallel, sharded=parallel.shard,
-                                            backend=parallel.backend, timeout=parallel.timeout))
+    The run folder and the checkpoint (:func:`~revtrain.train.resolve_run`: a folder holding
+    another run, a checkpoint that does not fit), the backend for the device. The ranks get the
+    folder (and the checkpoint) resolved here, and ``--threads`` sharing the cores when not given.
+    """
+    from revtrain.parallel.distributed import check_backend
+    from revtrain.train.environment import resolve_device
+    from revtrain.train.resume import resolve_run
 
-
-def _run_petra(argv: list[str], train_given: dict[str, Any], parallel: ParallelConfig, stages: int) -> int:
-    from revtrain.parallel.launch import launch_ranks
-    from revtrain.parallel.replicas import prepare_data_parallel
-
-    n = parallel.data_parallel or 1
-    check_petra_split(TrainConfig(**train_given))
-    extra = prepare_data_parallel(train_given, stages * n, backend=parallel.backend)
-    role = (lambda r: f"stage {r}") if n == 1 else (lambda r: f"stage {r // n}, replica {r % n}")
-    launch_ranks([*argv, *extra], stages * n, role=role, run="PETRA run", port=parallel.port)
-    return 0
+    run = resolve_run(dict(given))
+    check_backend(run.config.backend, resolve_device(run.config.device))
+    extra = ["--run-dir", str(run.run_dir)]
+    if run.checkpoint is not None:
+        extra += ["--resume", str(run.checkpoint)]
+    if not given.get("threads"):
+        extra += ["--threads", str(max(1, (os.cpu_count() or 1) // world))]
+    return extra
 
 
-def _run_data_parallel(argv: list[str], train_given: dict[str, Any], parallel: ParallelConfig) -> int:
-    from revtrain.parallel.launch import launch_ranks
-    from revtrain.parallel.replicas import prepare_data_parallel
+def _run_rank(given: Mapping[str, Any], config: TrainConfig) -> NoReturn:
+    """One rank of the run (started by the local launcher or torchrun): join the group, resolve the
+    run (rank 0 picks the folder and the checkpoint), train with the run's engine, then end the
+    process (:func:`~revtrain.parallel.distributed.exit_rank`).
 
-    world = parallel.data_parallel
-    assert world is not None
-    extra = prepare_data_parallel(train_given, world, backend=parallel.backend)
-    launch_ranks([*argv, *extra], world, role=lambda r: f"replica {r} of {world}", run="data-parallel run",
-                 port=parallel.port)
-    return 0
+    A failure is printed and recorded in the agent's error file (``TORCHELASTIC_ERROR_FILE``,
+    what ``@record`` writes), so that the launcher's message names the cause; the exit code is 1
+    (128 + the signal after a stop on Ctrl-C or SIGTERM, once the checkpoint is saved).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    from revtrain.parallel.distributed import check_backend, exit_rank, init_from_env
+    from revtrain.parallel.launch import die_with_launcher
+    from revtrain.parallel.petra_engine import PetraEngine
+    from revtrain.parallel.replicas import DataParallelEngine
+    from revtrain.train import Trainer
+    from revtrain.train.environment import resolve_device
+    from revtrain.train.resume import resolve_run
+
+    die_with_launcher()
+    code = 1
+    try:
+        device = resolve_device(config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        petra = config.stages is not None
+        timeout = max(config.timeout, _COLLECTIVE_TIMEOUT_S) if petra else config.timeout
+        rank, size = init_from_env(check_backend(config.backend, device), timeout)
+        want = (config.stages or 1) * (config.data_parallel or 1)
+        if size != want:
+            raise PipelineConfigError(f"{size} processes joined a run of {want} (stages x --data-parallel); start "
+                                      f"{want} processes, or pass the options that fit {size}")
+        box: list[Any] = [None]
+        if rank == 0:  # one folder and one checkpoint for every rank
+            run = resolve_run(dict(given))
+            box = [{"run_dir": str(run.run_dir), "resume": str(run.checkpoint) if run.checkpoint else None}]
+        dist.broadcast_object_list(box, src=0)
+        mine = {k: v for k, v in given.items() if k != "resume"} | {"run_dir": box[0]["run_dir"]}
+        if box[0]["resume"] is not None:
+            mine["resume"] = box[0]["resume"]
+        run = resolve_run(mine) if rank != 0 else run
+        dist.barrier()
+        engine: Any = (PetraEngine(simulate=False, replicas=config.data_parallel or 1, timeout=config.timeout)
+                       if petra else DataParallelEngine(sharded=config.shard))
+        Trainer(run, engine=engine).fit()
+        code = 0
+    except KeyboardInterrupt as stop:
+        code = 128 + int(getattr(stop, "signum", signal.SIGINT))
+    except BaseException as err:  # noqa: BLE001 - report every failure to the launcher, then fail
+        traceback.print_exc()
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            get_error_handler().record_exception(err)
+    finally:
+        exit_rank(code)

@@ -93,7 +93,7 @@ def init_from_env(backend: str, timeout_s: float) -> tuple[int, int]:
     if missing:
         raise PipelineConfigError(
             f"the env:// rendezvous needs {', '.join(missing)} in the environment; start the workers "
-            "with torchrun or `python -m revtrain.parallel --engine processes`"
+            "with torchrun or `revtrain train --stages J` or `--data-parallel N`"
         )
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))

@@ -8,8 +8,8 @@ by hand: the local path and the multi-node path are one code path.
 What the agent does for us: it watches the ranks, and when one fails (an exception, ``kill -9``,
 out of memory) it stops the others (SIGTERM, then SIGKILL after ``_SHUTDOWN_S``) and
 raises ``ChildFailedError`` with each rank's exit code or signal and, from the error file a
-rank writes (:func:`run_rank`, the agent's ``TORCHELASTIC_ERROR_FILE``), the exception that
-ended it. A signal to the launcher (Ctrl-C, SIGTERM) is forwarded once to every rank, which
+rank writes (its ``TORCHELASTIC_ERROR_FILE``, :mod:`revtrain.parallel.command`), the exception
+that ended it. A signal to the launcher (Ctrl-C, SIGTERM) is forwarded once to every rank, which
 then saves a checkpoint as a single-process run does. What we add: the message, which names
 the rank that failed first, its role in the run (stage or replica) and the cause, and
 :func:`die_with_launcher`, which ends a rank whose launcher was killed outright (``kill -9``).
@@ -18,19 +18,15 @@ the rank that failed first, its role in the run (stage or replica) and the cause
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 import socket
 import sys
-import traceback
 import uuid
 from collections.abc import Callable, Sequence
-from typing import NoReturn
 
-from revtrain.parallel.distributed import exit_rank
 from revtrain.parallel.errors import PipelineConfigError, StageFailedError
 
-__all__ = ["launch_ranks", "run_rank", "die_with_launcher", "check_port"]
+__all__ = ["launch_ranks", "die_with_launcher", "check_port"]
 
 _PR_SET_PDEATHSIG = 1
 _SHUTDOWN_S = 120
@@ -126,27 +122,3 @@ def die_with_launcher() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except OSError:
         pass
-
-
-def run_rank(work: Callable[[], object]) -> NoReturn:
-    """Run a started rank's ``work``, then end the process with :func:`~revtrain.parallel.distributed.exit_rank`.
-
-    A failure is printed and recorded in the agent's error file (``TORCHELASTIC_ERROR_FILE``,
-    what ``@record`` writes), so that the launcher's message names the cause; the exit code is 1
-    (128 + the signal after a stop on Ctrl-C or SIGTERM, once the checkpoint is saved).
-    """
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-    die_with_launcher()
-    code = 1
-    try:
-        work()
-        code = 0
-    except KeyboardInterrupt as stop:
-        code = 128 + int(getattr(stop, "signum", signal.SIGINT))
-    except BaseException as err:  # noqa: BLE001 - report every failure to the launcher, then fail
-        traceback.print_exc()
-        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-            get_error_handler().record_exception(err)
-    finally:
-        exit_rank(code)

@@ -33,7 +33,6 @@ first stage uses them.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -46,7 +45,7 @@ import revtrain.parallel.checkpoint as ckpt
 import revtrain.parallel.schedule as schedule
 from revtrain.memory import format_bytes, process_peak_rss_bytes
 from revtrain.parallel.config import PetraConfig
-from revtrain.parallel.distributed import DistributedPipeline, check_backend, init_from_env
+from revtrain.parallel.distributed import DistributedPipeline
 from revtrain.parallel.errors import PipelineConfigError
 from revtrain.parallel.partition import split_model, stage_shapes
 from revtrain.parallel.pipeline import StageTicker
@@ -60,11 +59,7 @@ from revtrain.train.engine import Batch
 if TYPE_CHECKING:
     from revtrain.train.trainer import Trainer
 
-__all__ = ["PetraEngine", "measured_split", "parse_split", "run_petra_rank"]
-
-_COLLECTIVE_TIMEOUT_S = 1800.0
-"""Collectives (the split's measurement on rank 0, evaluation, checkpoints) may take longer than
-a tick's wait for a neighbour (``--timeout``)."""
+__all__ = ["PetraEngine", "measured_split", "parse_split"]
 
 
 class PetraEngine:
@@ -367,32 +362,3 @@ def parse_split(text: str | None) -> list[int] | list[str] | None:
     if any(p.lstrip("-").isdigit() for p in parts):
         raise PipelineConfigError(f"split {text!r} mixes counts and names; give one or the other")
     return parts
-
-
-def run_petra_rank(given: Mapping[str, Any], replicas: int, *, backend: str = "auto",
-                   timeout: float = 60.0) -> dict[str, Any]:
-    """What every rank of a ``--stages`` run runs (started by the local launcher or torchrun):
-    join the group, resolve the run (rank 0 picks the folder and the checkpoint), train."""
-    from revtrain.train import Trainer
-    from revtrain.train.environment import resolve_device
-    from revtrain.train.resume import resolve_run
-
-    device = resolve_device(given.get("device", "auto"))
-    if device.type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    rank, _ = init_from_env(check_backend(backend, device), max(timeout, _COLLECTIVE_TIMEOUT_S))
-    try:
-        box: list[Any] = [None]
-        if rank == 0:  # one folder and one checkpoint for every rank
-            run = resolve_run(dict(given))
-            box = [{"run_dir": str(run.run_dir), "resume": str(run.checkpoint) if run.checkpoint else None}]
-        dist.broadcast_object_list(box, src=0)
-        mine = {k: v for k, v in given.items() if k != "resume"} | {"run_dir": box[0]["run_dir"]}
-        if box[0]["resume"] is not None:
-            mine["resume"] = box[0]["resume"]
-        run = resolve_run(mine) if rank != 0 else run
-        dist.barrier()
-        return Trainer(run, engine=PetraEngine(simulate=False, replicas=replicas, timeout=timeout)).fit()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

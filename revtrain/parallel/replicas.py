@@ -33,7 +33,6 @@ parameters, gradients and optimizer state. The step memory report is skipped und
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
@@ -42,23 +41,13 @@ import torch
 import torch.distributed as dist
 
 from revtrain.parallel.data_parallel import replicate, shard
-from revtrain.parallel.distributed import check_backend, init_from_env
 from revtrain.parallel.errors import PipelineConfigError
 from revtrain.train import Trainer
 from revtrain.train.checkpoint_store import FolderStore
 from revtrain.train.engine import Batch, GradientEngine, backward_share, refuse_stages
-from revtrain.train.environment import resolve_device
 from revtrain.train.optim import build_optimizer, build_scheduler
-from revtrain.train.resume import resolve_run
 
-__all__ = ["DataParallelEngine", "prepare_data_parallel", "run_data_parallel_rank", "UNSUPPORTED"]
-
-UNSUPPORTED = {
-    "budget": "planning profiles one process; plan first with `revtrain plan` and pass --mode, or train without --data-parallel",
-    "plan": "pass the plan's mode with --mode, or train without --data-parallel",
-    "grad_angle_every": "the monitor measures one process's step; run it without --data-parallel",
-}
-"""``revtrain train`` options that a data-parallel run refuses, and what to do instead."""
+__all__ = ["DataParallelEngine"]
 
 
 class DataParallelEngine(GradientEngine):
@@ -193,61 +182,3 @@ def _to_shards(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[
                   if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == p.shape else v
                   for k, v in s.items()}
     return {"state": out, "param_groups": state["param_groups"]}
-
-
-# -- launching ---------------------------------------------------------------------------------
-
-
-def prepare_data_parallel(given: Mapping[str, Any], world: int, *, backend: str = "auto") -> list[str]:
-    """Check what can be checked before any process starts; returns the options every rank adds.
-
-    The options and the run folder (:func:`~revtrain.train.resolve_run`: a folder holding
-    another run, a checkpoint that does not fit), the backend for the device. The ranks get the
-    folder (and the checkpoint) resolved here, and ``--threads`` sharing the cores when not given.
-    """
-    _refuse_unsupported(given)
-    run = resolve_run(dict(given))
-    check_backend(backend, resolve_device(run.config.device))
-    extra = ["--run-dir", str(run.run_dir)]
-    if run.checkpoint is not None:
-        extra += ["--resume", str(run.checkpoint)]
-    if not given.get("threads"):
-        extra += ["--threads", str(max(1, (os.cpu_count() or 1) // world))]
-    return extra
-
-
-def run_data_parallel_rank(given: Mapping[str, Any], world: int | None = None, *, sharded: bool = False,
-                           backend: str = "auto", timeout: float = 60.0) -> dict[str, Any]:
-    """What every process runs (started by the local launcher or torchrun): join the
-    group, resolve the run (rank 0 picks the folder and the checkpoint), train."""
-    _refuse_unsupported(given)
-    device = resolve_device(given.get("device", "auto"))
-    if device.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-    rank, size = init_from_env(check_backend(backend, device), timeout)
-    try:
-        if world is not None and size != world:
-            raise PipelineConfigError(f"{size} processes joined for --data-parallel {world}; start {world} "
-                                      f"processes or pass --data-parallel {size}")
-        box = [None]
-        if rank == 0:  # one folder and one checkpoint for every rank
-            run = resolve_run(dict(given))
-            box = [{"run_dir": str(run.run_dir), "resume": str(run.checkpoint) if run.checkpoint else None}]
-        dist.broadcast_object_list(box, src=0)
-        mine = {**given, **{k: v for k, v in box[0].items() if v is not None}}  # type: ignore[union-attr]
-        if box[0]["resume"] is None:  # type: ignore[index]
-            mine.pop("resume", None)
-        run = resolve_run(mine) if rank != 0 else run
-        dist.barrier()
-        trainer = Trainer(run, engine=DataParallelEngine(sharded=sharded))
-        return trainer.fit()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _refuse_unsupported(given: Mapping[str, Any]) -> None:
-    for name, fix in UNSUPPORTED.items():
-        if given.get(name) not in (None, 0):
-            raise PipelineConfigError(f"--{name} is not available with --data-parallel: {fix}")

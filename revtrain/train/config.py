@@ -20,7 +20,8 @@ from typing import Any, Literal
 from revtrain.errors import RevtrainError
 from revtrain.planner.profile_options import ProfileOptions
 
-__all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "OPTIMIZERS", "DEVICES", "AMP_DTYPES"]
+__all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "OPTIMIZERS", "DEVICES", "AMP_DTYPES",
+           "PROCESS_LAYOUT"]
 
 SCHEDULES = ("cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
@@ -137,6 +138,18 @@ class TrainConfig(ProfileOptions):
     dropout_seed: int = 0
     """With --stages: batch b of epoch e on stage s draws its dropout from a stream derived from (dropout_seed, e, b, s)."""
 
+    # --- processes: data parallelism and how a run on several processes starts (docs/parallel.md)
+    data_parallel: int | None = None
+    """DDP: train on N local processes, each on 1/N of every batch (same updates as one process on the whole batch); with --stages J, N replicas of every stage (J x N processes on a (pp, dp) device mesh). Not taken from a resumed run: a data-parallel run may resume with another N, or in one process."""
+    shard: bool = False
+    """With --data-parallel: shard parameters, gradients and optimizer state over the processes (FSDP2)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """With several processes: the torch.distributed backend; auto picks nccl on CUDA and gloo on CPU."""
+    port: int = 0
+    """With several processes: the rendezvous port of the local processes (0: a free one)."""
+    timeout: float = 60.0
+    """With several processes: seconds a process waits for another before the run is ended as failed."""
+
     # --- outputs
     run_dir: str | None = None
     """Folder for metrics, checkpoints and the summary (default: runs/<model>-<dataset>-<time>)."""
@@ -227,6 +240,7 @@ class TrainConfig(ProfileOptions):
         if self.budget is not None and not str(self.budget).strip():
             raise ConfigError("budget is empty; give a size such as 6GiB, or a fraction such as 50%")
         self._check_stages()
+        self._check_processes()
 
     def _check_stages(self) -> None:
         """PETRA's options: only with --stages, and the run options its stages cannot honour refused."""
@@ -243,6 +257,45 @@ class TrainConfig(ProfileOptions):
         if refused:
             reasons = "; ".join(f"--{_flag(name)}: {why}" for name, why in refused)
             raise ConfigError(f"not available with --stages (PETRA): {reasons}. Drop them, or train without --stages")
+
+    def _check_processes(self) -> None:
+        """The options of a run on several processes: only with one, and what it cannot honour refused."""
+        n = self.data_parallel
+        if n is not None:
+            _at_least(self, "data_parallel", 1)
+        _choice(self, "backend", ("auto", "gloo", "nccl"))
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be an integer in [0, 65535], got {self.port!r}; 0 picks a free one")
+        if not self.timeout > 0:
+            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.shard and n is None:
+            raise ConfigError("--shard shards over data-parallel processes; add --data-parallel N")
+        processes = n is not None or (self.stages is not None and self.engine == "processes")
+        if not processes:
+            given = [name for name, default in _PROCESS_DEFAULTS.items() if getattr(self, name) != default]
+            if given:
+                raise ConfigError(f"{', '.join('--' + _flag(n) for n in given)}: options of a run on several "
+                                  "processes; add --data-parallel N (or --stages J), or drop them")
+            return
+        if ":" in self.device:
+            raise ConfigError(f"--device {self.device} names one GPU, and each process of --stages/--data-parallel "
+                              "takes the GPU of its local rank; pass --device cuda")
+        if n is None:
+            return
+        for name, (ok, why) in _DATA_PARALLEL_REFUSES.items():
+            if getattr(self, name) not in ok:
+                raise ConfigError(f"--{_flag(name)} is not available with --data-parallel: {why}")
+        if self.stages is None:
+            return
+        if self.shard:
+            raise ConfigError("--shard with --stages: the replicas of a PETRA stage all-reduce their gradients, "
+                              "they do not shard them; drop --shard")
+        if self.engine == "simulator":
+            raise ConfigError("--engine simulator runs one replica of every stage; drop --data-parallel or use "
+                              "--engine processes")
+        if self.batch_size % n:
+            raise ConfigError(f"--batch-size {self.batch_size} cannot be cut into {n} equal replica slices; use a "
+                              f"multiple of {n}")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-serialisable data (tuples become lists)."""
@@ -286,6 +339,20 @@ _PETRA_REFUSES = {
     "check_every": ((None,), "PETRA's rebuilds use moved parameters by design; --track-reconstruction reports their drift"),
 }
 """Run options a --stages run cannot honour: (the values it accepts, why)."""
+
+_PROCESS_DEFAULTS = {"backend": "auto", "port": 0, "timeout": 60.0}
+"""How the processes of a run start (their defaults): given for a run in one process they are refused."""
+
+_DATA_PARALLEL_REFUSES = {
+    "budget": ((None,), "planning profiles one process; plan first with `revtrain plan` and pass --mode, or train "
+                        "without --data-parallel"),
+    "plan": ((None,), "pass the plan's mode with --mode, or train without --data-parallel"),
+    "grad_angle_every": ((0,), "the monitor measures one process's step; run it without --data-parallel"),
+}
+"""Run options a --data-parallel run cannot honour: (the values it accepts, why)."""
+
+PROCESS_LAYOUT = ("engine", "data_parallel", "shard", "backend", "port", "timeout")
+"""How a run is spread over processes: each command says it (a resumed run does not inherit it)."""
 
 
 def _flag(name: str) -> str:

@@ -14,7 +14,7 @@ and command line together::
     optimizer = "adamw"
     lr = 3e-3
     epochs = 5
-    stages = 2          # options of the parallel groups (--stages, --data-parallel, ...) too
+    stages = 2          # the options of several processes (--stages, --data-parallel, ...) too
 
 TOML is read with the standard library's ``tomllib`` (Python 3.11+; on 3.10 install ``tomli``).
 """
@@ -73,42 +73,35 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def merge_with_file(path: str | Path | None, given: list[tuple[type, dict[str, Any]]],
-                    log: typing.Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """The options of each config class: the file's, then the command line's on top.
+def merge_with_file(path: str | Path | None, cls: type, given: dict[str, Any],
+                    log: typing.Callable[[str], None] = print) -> dict[str, Any]:
+    """The options of the config class ``cls``: the file's, then the command line's on top.
 
     Args:
         path: The ``--config`` file, or None (the command line's options are returned as they are).
-        given: ``(config class, options given on the command line)`` pairs; every key of the file
-            must be a field of one of the classes.
+        cls: The config dataclass; every key of the file must be one of its fields.
+        given: The options given on the command line.
         log: Where notes go (options of the file that were skipped).
 
     Raises:
         ConfigError: an unknown key (with close matches) or a value of the wrong type, naming the file.
     """
     if path is None:
-        return [dict(options) for _, options in given]
+        return dict(given)
     data = read_config_file(path)
     skipped = [k for k in INVOCATION_ONLY if data.pop(k, None) not in (None, False)]
     if skipped:
         log(f"--config {path}: {', '.join(skipped)} not read from a file; pass "
             f"{' '.join('--' + k for k in skipped)} on the command line to use them")
-    fields: dict[str, type] = {}
-    for cls, _ in given:  # a name in several classes belongs to the first (train's lr, not PETRA's)
-        for f in dataclasses.fields(cls):
-            fields.setdefault(f.name, cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
     unknown = [k for k in data if k not in fields]
     if unknown:
         hints = [f"{k} (did you mean {', '.join(close)}?)" if (close := difflib.get_close_matches(k, fields, n=2))
                  else k for k in unknown]
         raise ConfigError(f"--config {path}: unknown option(s) {', '.join(hints)}; the keys are the options of "
                           "`revtrain train --help` (batch_size or batch-size)")
-    merged = []
-    for cls, options in given:
-        hints = typing.get_type_hints(cls)
-        from_file = {k: _checked(path, k, v, hints[k]) for k, v in data.items() if fields[k] is cls}
-        merged.append({**from_file, **options})
-    return merged
+    hints = typing.get_type_hints(cls)
+    return {**{k: _checked(path, k, v, hints[k]) for k, v in data.items()}, **given}
 
 
 def _checked(path: str | Path, key: str, value: Any, kind: Any) -> Any:

@@ -143,6 +143,7 @@ class LocalEngine(GradientEngine):
 
     def attach(self, trainer: Trainer) -> None:
         refuse_stages(trainer)
+        refuse_processes(trainer)
 
     def checkpoint_store(self, trainer: Trainer) -> CheckpointStore:
         return FileStore(trainer)
@@ -184,3 +185,12 @@ def refuse_stages(trainer: Trainer) -> None:
     if trainer.config.stages is not None:
         raise ConfigError(f"this run trains {trainer.config.stages} PETRA stages; pass --stages "
                           f"{trainer.config.stages} (its checkpoint holds one state per stage)")
+
+
+def refuse_processes(trainer: Trainer) -> None:
+    """A run configured for several data-parallel processes needs them (one process would write
+    that it ran on N)."""
+    n = trainer.config.data_parallel
+    if n is not None:
+        raise ConfigError(f"this run is configured for --data-parallel {n}: start it with `revtrain train "
+                          f"--data-parallel {n}` (or torchrun), or drop data_parallel to train in one process")

@@ -16,6 +16,11 @@ Rules, so that no run is lost or silently changed:
   in the current epoch. Every other option given is applied deliberately and said so (a new
   learning rate, more epochs, another memory strategy, another device), and ``config.json``
   records what the run uses from then on.
+- How the run is spread over processes (``--engine``, ``--data-parallel``, ``--shard``,
+  ``--backend``, ``--port``, ``--timeout``) is not taken from the resumed run: each command says it. A
+  data-parallel run resumes with another number of processes, sharded or not, or in one
+  process. A PETRA run resumes with its stages, split and replicas only (``--stages`` is taken
+  from the run; another stage count, or another ``--data-parallel``, is refused).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from revtrain.train.checkpoint_folder import (
     read_checkpoint,
     run_dir_of,
 )
-from revtrain.train.config import ConfigError, TrainConfig
+from revtrain.train.config import PROCESS_LAYOUT, ConfigError, TrainConfig
 from revtrain.train.state import REQUIRED_PARTS
 from revtrain.train.runs import (
     RUNS_ROOT,
@@ -77,7 +82,7 @@ _STRATEGY = ("mode", "budget", "plan")
 
 _ANNOUNCED = ("epochs", "max_steps_per_epoch", "lr", "momentum", "nesterov", "weight_decay", "warmup_epochs",
               "schedule", "milestones", "gamma", "divergence_factor", "mode", "budget", "plan", "device",
-              "amp", "eval_batch_size", "grad_clip", "check_every")
+              "amp", "eval_batch_size", "grad_clip", "check_every", "engine", "data_parallel", "shard")
 """Options whose change on resume is said out loud (the others only change outputs)."""
 
 
@@ -201,7 +206,8 @@ def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[
     except (ConfigError, KeyError, TypeError) as err:
         raise IncompatibleCheckpointError(f"checkpoint {path} holds a config this revtrain cannot use: {err}") from None
     _refuse_fixed_changes(given, saved, state, path)
-    merged = {**saved, **{k: v for k, v in given.items() if k not in ("resume", "run_dir")}}
+    merged = {**{k: v for k, v in saved.items() if k not in PROCESS_LAYOUT},  # each command says how it runs
+              **{k: v for k, v in given.items() if k not in ("resume", "run_dir")}}
     if not complete and any(name in given for name in _STRATEGY):  # a strategy given replaces the saved one
         merged.update(budget=given.get("budget"), plan=given.get("plan"))
     home = run_dir_of(path)
@@ -219,6 +225,7 @@ def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[
             f"--run-dir, or drop --run-dir to continue in {home}"
         )
     _refuse_shrinking(config, state, path)
+    _refuse_other_stages(config, saved, path)
     notes += _announce_changes(saved, config.to_dict(), state)
     progress, loader = state.get("progress", {}), state["train_loader"]
     if loader["epoch"] >= config.epochs and progress.get("pending_eval") is None:
@@ -262,6 +269,22 @@ def _refuse_shrinking(config: TrainConfig, state: Mapping[str, Any], path: Path)
             f"--max-steps-per-epoch {config.max_steps_per_epoch} is below the {taken} steps that {path} "
             f"has already taken in epoch {epoch + 1}; pass --max-steps-per-epoch {taken} or more "
             "(or drop it)"
+        )
+
+
+def _refuse_other_stages(config: TrainConfig, saved: Mapping[str, Any], path: Path) -> None:
+    """A PETRA run's checkpoint holds one state per stage, each of its replicas' (a data-parallel
+    run may continue as a PETRA run: its checkpoint holds the whole model)."""
+    if saved.get("stages") is None:
+        return
+    was = (saved["stages"], saved.get("data_parallel") or 1)
+    now = (config.stages, config.data_parallel or 1)
+    if now != was:
+        raise ResumeConflictError(
+            f"cannot resume {path} as {now[0]} PETRA stage(s) x {now[1]} replica(s): the run trained {was[0]} "
+            f"stages x {was[1]} replica(s), and its checkpoint holds one state per stage; pass --stages {was[0]}"
+            + (f" --data-parallel {was[1]}" if was[1] > 1 else " without --data-parallel")
+            + ", or start a new run without --resume"
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -90,11 +91,16 @@ def test_data_parallel_and_sharded_runs_equal_one_process_and_resume_anywhere(tm
         records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3]  # one writer: rank 0
     assert start["progress"]["step"] == 3
+    for run, layout in [("one", (None, False)), ("ddp", (2, False)), ("fsdp", (2, True))]:  # config.json: the whole run
+        config = json.loads((tmp_path / run / "config.json").read_text())
+        assert (config["data_parallel"], config["shard"]) == layout, run
     # A sharded run's checkpoint folder (each rank wrote its shards) resumes in one process.
     assert latest_checkpoint(tmp_path / "fsdp") == tmp_path / "fsdp" / "checkpoints" / "step-00000003"
     assert main(["train", *DATA_PARALLEL, "--epochs", "2", "--resume", str(tmp_path / "fsdp")]) == 0
     resumed = torch.load(tmp_path / "fsdp" / "checkpoint.pt", weights_only=False)
     assert resumed["progress"]["step"] == 6
+    config = json.loads((tmp_path / "fsdp" / "config.json").read_text())  # the resumed run's own processes
+    assert (config["data_parallel"], config["shard"], config["epochs"]) == (None, False, 2)
 
 
 @pytest.mark.parametrize(
@@ -113,9 +119,15 @@ def test_data_parallel_and_sharded_runs_equal_one_process_and_resume_anywhere(tm
         (["--stages", "2", "--data-parallel", "2", "--engine", "simulator"], "drop --data-parallel"),
         (["--stages", "2", "--data-parallel", "2", "--batch-size", "15"], "use a multiple of 2"),
         (["--shard"], "add --data-parallel N"),
-        (["--data-parallel", "0"], "--data-parallel must be an integer >= 1"),
+        (["--data-parallel", "0"], "data_parallel must be an integer >= 1"),
         (["--data-parallel", "2", "--budget", "1MiB"], "--budget is not available with --data-parallel"),
         (["--data-parallel", "2", "--backend", "nccl"], "nccl"),
+        (["--port", "5000"], "--port: options of a run on several processes; add --data-parallel N"),
+        (["--stages", "2", "--engine", "simulator", "--timeout", "5"], "--timeout: options of a run on several"),
+        (["--data-parallel", "2", "--port", "70000"], "port must be an integer in [0, 65535]"),
+        (["--data-parallel", "2", "--timeout", "0"], "timeout must be > 0 seconds"),
+        (["--data-parallel", "2", "--timeout", "inf"], "timeout (--timeout) must be a finite number"),
+        (["--data-parallel", "2", "--grad-angle-every", "2"], "--grad-angle-every is not available with --data-parallel"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(argv: list[str], message: str, tmp_path: Path,
@@ -125,6 +137,27 @@ def test_bad_input_fails_before_any_process_starts(argv: list[str], message: str
     err = capsys.readouterr().err
     assert message in err, err
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "errors").exists()
+
+
+def test_a_petra_run_resumes_with_its_stages_and_replicas_only(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Its checkpoint holds one state per stage: another stage count or replica count is refused
+    before any process starts, and the run is left as it was."""
+    run = tmp_path / "run"
+    sim = ["--stages", "2", "--engine", "simulator", "--balance", "count", "--batch-size", "16", "--threads", "1",
+           "--max-steps-per-epoch", "1", "--quiet", "--no-memory-report"]
+    assert main(["train", *sim, "--epochs", "1", "--run-dir", str(run)]) == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for argv, message in [
+        (["--stages", "3", "--engine", "simulator"], "cannot resume .* as 3 PETRA stage.s. x 1 replica.s.: the run "
+                                                     "trained 2 stages x 1 replica.s.*pass --stages 2 without --data-parallel"),
+        (["--stages", "2", "--data-parallel", "2"], "as 2 PETRA stage.s. x 2 replica.s."),
+        ([], "this run trains 2 PETRA stages; pass --stages 2"),
+    ]:
+        assert main(["train", *argv, "--epochs", "2", "--resume", str(run)]) == 2, argv
+        err = capsys.readouterr().err
+        assert re.search(message, err), (argv, err)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 @pytest.mark.parametrize("flag", ["--stages", "--data-parallel"])

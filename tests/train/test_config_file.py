@@ -11,7 +11,6 @@ import pytest
 from revtrain.cli import main
 from revtrain.train import ConfigError, TrainConfig, load_checkpoint
 from revtrain.train.config_file import merge_with_file
-from revtrain.parallel.command import ParallelConfig
 
 TINY = ["--device", "cpu", "--quiet", "--no-memory-report"]
 
@@ -48,7 +47,7 @@ def test_resume_and_overwrite_are_not_read_from_a_file(tmp_path: Path) -> None:
     recipe = tmp_path / "r.json"
     recipe.write_text(json.dumps({"epochs": 2, "resume": "runs/x", "overwrite": True}))
     notes: list[str] = []
-    given, _ = merge_with_file(recipe, [(TrainConfig, {}), (ParallelConfig, {})], log=notes.append)
+    given = merge_with_file(recipe, TrainConfig, {}, log=notes.append)
     assert given == {"epochs": 2}
     assert notes and "resume, overwrite not read from a file" in notes[0]
 
@@ -67,14 +66,15 @@ def test_bad_files_name_the_file_and_the_problem(tmp_path: Path, text: str, suff
     path = tmp_path / f"recipe{suffix}"
     path.write_text(text)
     with pytest.raises(ConfigError, match=f"--config {path}:? .*{message}"):
-        merge_with_file(path, [(TrainConfig, {}), (ParallelConfig, {})])
+        merge_with_file(path, TrainConfig, {})
 
 
-def test_parallel_options_from_a_file_reach_their_group(tmp_path: Path) -> None:
+def test_process_options_from_a_file_are_run_options(tmp_path: Path) -> None:
     path = tmp_path / "p.toml"
-    path.write_text("data_parallel = 2\nlr = 0.05\n")
-    given, parallel = merge_with_file(path, [(TrainConfig, {"epochs": 3}), (ParallelConfig, {})])
-    assert given == {"lr": 0.05, "epochs": 3} and parallel == {"data_parallel": 2}
+    path.write_text("data_parallel = 2\nlr = 0.05\nepochs = 1\n")
+    given = merge_with_file(path, TrainConfig, {"epochs": 3})
+    assert given == {"data_parallel": 2, "lr": 0.05, "epochs": 3}
+    assert TrainConfig(**given).data_parallel == 2
 
 
 def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -84,5 +84,5 @@ def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 def test_the_shipped_recipe_is_valid() -> None:
     recipe = Path(__file__).parents[2] / "configs" / "digits-adamw.toml"
-    given, _ = merge_with_file(recipe, [(TrainConfig, {}), (ParallelConfig, {})])
+    given = merge_with_file(recipe, TrainConfig, {})
     assert TrainConfig(**given).optimizer == "adamw"
