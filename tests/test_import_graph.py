@@ -141,3 +141,17 @@ def test_every_import_runs_down_the_floors_of_the_architecture_page():
         if _room(a) != _room(b) and FLOORS[_room(b)] >= FLOORS[_room(a)]
     )
     assert upward == [], f"imports that run sideways or up a floor: {upward}"
+
+
+def test_engines_and_checkpoint_stores_do_not_import_the_trainer():
+    """Not even for annotations (``TYPE_CHECKING``): they are handed the Trainer and type it as
+    ``train/trainer_view.py``'s ``TrainerView``, so the trainer -> engine -> store arrows run one way."""
+    for name in ("train/engine.py", "train/checkpoint_store.py", "train/trainer_view.py", "parallel/replicas.py",
+                 "parallel/petra_engine.py"):
+        tree = ast.parse((ROOT / name).read_text())
+        imports = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        assert imports, name
+        for node in imports:
+            takes_trainer = node.module == "revtrain.train.trainer" or (
+                node.module in ("revtrain.train", "revtrain") and any(a.name == "Trainer" for a in node.names))
+            assert not takes_trainer, f"{name} imports the Trainer (line {node.lineno})"

@@ -1,14 +1,14 @@
 """PETRA inside the one :class:`~revtrain.train.Trainer`: the stage-parallel engine.
 
 ``revtrain train --stages J`` trains the model cut into J stages with delayed gradients
-(Rivaud et al. 2024) through the ordinary Trainer, which keeps everything else a run does (the
+(Rivaud et al. 2024) through the ordinary TrainerView, which keeps everything else a run does (the
 config, the run folder and its guard, epochs, evaluation, metrics, checkpoints, Ctrl-C/SIGTERM,
 the divergence stop, the resume rules, the summary). :class:`PetraEngine` owns the step:
 
 - **A step feeds ``k`` micro-batches** (``--accumulation``) into the pipeline: tick ``t`` of the
   epoch's pipeline reads batch ``t``, so a step runs ``k`` ticks; every stage updates after
   ``k`` backward passes (Algorithm 1), so an epoch has as many updates per stage as the
-  Trainer counts steps. The epoch's last step also drains the pipeline (its last ``2(J-1)``
+  TrainerView counts steps. The epoch's last step also drains the pipeline (its last ``2(J-1)``
   ticks) and applies every stage's pending partial accumulation (flush).
 - **The loss of a step** is that of the micro-batches whose forward reached the last stage
   during the step (the pipeline delays it by ``J - 1`` ticks, so an epoch's first steps
@@ -36,7 +36,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,9 +55,7 @@ from revtrain.parallel.units import model_units
 from revtrain.tasks import add_sums
 from revtrain.train.checkpoint_store import FileStore
 from revtrain.train.engine import Batch
-
-if TYPE_CHECKING:
-    from revtrain.train.trainer import Trainer
+from revtrain.train.trainer_view import TrainerView
 
 __all__ = ["PetraEngine", "measured_split", "parse_split"]
 
@@ -87,7 +85,7 @@ class PetraEngine:
         self.tickers: list[StageTicker] = []
         self._sim: Simulator | None = None
         self._pipe: DistributedPipeline | None = None
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
         self._sizes: list[int] | None = None  # the sizes of the batches fed to the open pipeline
 
     # -- building ---------------------------------------------------------------------------------
@@ -97,7 +95,7 @@ class PetraEngine:
         copies = f" x {self.replicas} replicas" if self.replicas > 1 else ""
         return f"PETRA: {len(self.split)} stages{copies} of {'+'.join(map(str, self.split))} blocks, {where}"
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: TrainerView) -> None:
         c = trainer.config
         assert c.stages is not None
         j, n = c.stages, self.replicas
@@ -142,7 +140,7 @@ class PetraEngine:
             for t in self._my_files():
                 t.worker.load_state_dict(ckpt.load_stage(folder, t.index, saved["step"])["worker"])
 
-    def _split(self, trainer: Trainer, x: torch.Tensor, saved: Mapping[str, Any] | None) -> list[int] | list[str] | None:
+    def _split(self, trainer: TrainerView, x: torch.Tensor, saved: Mapping[str, Any] | None) -> list[int] | list[str] | None:
         c = trainer.config
         if c.split is not None:
             return parse_split(c.split)
@@ -158,7 +156,7 @@ class PetraEngine:
 
     # -- the step ------------------------------------------------------------------------------------
 
-    def step(self, trainer: Trainer, batches: Sequence[Batch]) -> tuple[torch.Tensor | None, dict[str, float]]:
+    def step(self, trainer: TrainerView, batches: Sequence[Batch]) -> tuple[torch.Tensor | None, dict[str, float]]:
         if self._sizes is None:  # the first step of an epoch (or after a mid-epoch checkpoint) opens the pipeline
             self._start(trainer.train_loader.epoch)
         assert self._sizes is not None
@@ -173,7 +171,7 @@ class PetraEngine:
             self._drain()
         return None, self._take_sums()
 
-    def apply(self, trainer: Trainer) -> None:
+    def apply(self, trainer: TrainerView) -> None:
         with warnings.catch_warnings():  # the stages updated themselves, each after its k-th backward;
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)  # the
             trainer.advance_schedule()  # trainer's schedule only counts the steps (and gives the lr of the records)
@@ -183,9 +181,9 @@ class PetraEngine:
         count = total.get("count", 0.0)
         return total, (total["loss_sum"] / count if count else None)
 
-    def forward_backward(self, trainer: Trainer, batch: Batch, total: int, *, last: bool) -> Any:
+    def forward_backward(self, trainer: TrainerView, batch: Batch, total: int, *, last: bool) -> Any:
         raise PipelineConfigError("a PETRA step runs its micro-batches through the pipeline of stages "
-                                  "(Trainer.train_step); there is no forward-backward of one micro-batch alone")
+                                  "(TrainerView.train_step); there is no forward-backward of one micro-batch alone")
 
     def _start(self, epoch: int) -> None:
         self._sizes = []
@@ -232,7 +230,7 @@ class PetraEngine:
 
     # -- evaluation ----------------------------------------------------------------------------------
 
-    def eval_sums(self, trainer: Trainer, batch: Batch) -> dict[str, float]:
+    def eval_sums(self, trainer: TrainerView, batch: Batch) -> dict[str, float]:
         x, y = trainer.on_device(batch)
         if self._pipe is None:  # the model's forward is its stages in turn
             return trainer.task.batch_sums(trainer.model(x), y)
@@ -253,7 +251,7 @@ class PetraEngine:
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
-    def settle(self, trainer: Trainer) -> None:
+    def settle(self, trainer: TrainerView) -> None:
         """Before a checkpoint inside an epoch: drain the pipeline, flush the stages, and count what
         the drained batches' losses add to the epoch's sums."""
         if self._sizes is None:
@@ -261,7 +259,7 @@ class PetraEngine:
         self._drain()
         trainer.progress.epoch.add(self._gather_sums(self._take_sums()), 0, 0.0)
 
-    def checkpoint_store(self, trainer: Trainer) -> FileStore:
+    def checkpoint_store(self, trainer: TrainerView) -> FileStore:
         """``checkpoint.pt`` in the single-process format, its model assembled from the stages on
         rank 0 (:meth:`_full_state`); every stage also writes its own file."""
         return FileStore(trainer, self._full_state)
@@ -301,7 +299,7 @@ class PetraEngine:
 
     # -- the summary ---------------------------------------------------------------------------------
 
-    def report(self, trainer: Trainer) -> tuple[dict[str, Any], list[str]]:
+    def report(self, trainer: TrainerView) -> tuple[dict[str, Any], list[str]]:
         mine = [_stage_report(t) for t in self.tickers] if self.rank % self.replicas == 0 else []
         if not self.simulate:
             every: list[Any] = [None] * self.world

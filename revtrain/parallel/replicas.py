@@ -42,10 +42,10 @@ import torch.distributed as dist
 
 from revtrain.parallel.data_parallel import replicate, shard
 from revtrain.parallel.errors import PipelineConfigError
-from revtrain.train import Trainer
 from revtrain.train.checkpoint_store import FolderStore
 from revtrain.train.engine import Batch, GradientEngine, backward_share, refuse_stages
 from revtrain.train.optim import build_optimizer, build_scheduler
+from revtrain.train.trainer_view import TrainerView
 
 __all__ = ["DataParallelEngine"]
 
@@ -70,7 +70,7 @@ class DataParallelEngine(GradientEngine):
         what = "FSDP2, parameters sharded" if self.sharded else "DDP"
         return f"data parallel over {self.world} processes ({what}), each on 1/{self.world} of every batch"
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: TrainerView) -> None:
         refuse_stages(trainer)
         self._check_slices(trainer)
         self.model = trainer.model
@@ -80,7 +80,7 @@ class DataParallelEngine(GradientEngine):
         else:
             self.wrapped = replicate(trainer.model, trainer.device if trainer.device.type == "cuda" else None)
 
-    def _check_slices(self, trainer: Trainer) -> None:
+    def _check_slices(self, trainer: TrainerView) -> None:
         c, info = trainer.config, trainer.data_info
         sizes = {c.batch_size}
         rest = info.train_size % c.batch_size
@@ -95,7 +95,7 @@ class DataParallelEngine(GradientEngine):
                    "or --max-steps-per-epoch to skip it" if rest and small == rest else "")
             )
 
-    def _shard(self, trainer: Trainer) -> None:
+    def _shard(self, trainer: TrainerView) -> None:
         """Shard the model (already restored on resume) and move the optimizer onto the shards."""
         opt_state, sched_state = trainer.optimizer.state_dict(), trainer.scheduler.state_dict()
         shard(trainer.model, per_block=True)
@@ -109,7 +109,7 @@ class DataParallelEngine(GradientEngine):
 
     # -- the step and evaluation -----------------------------------------------------------------
 
-    def forward_backward(self, trainer: Trainer, batch: Batch, total: int, *,
+    def forward_backward(self, trainer: TrainerView, batch: Batch, total: int, *,
                          last: bool) -> tuple[torch.Tensor, dict[str, float]]:
         assert self.wrapped is not None
         x, y = trainer.on_device(tuple(t.tensor_split(self.world)[self.rank] for t in batch))  # type: ignore[arg-type]
@@ -130,7 +130,7 @@ class DataParallelEngine(GradientEngine):
         summed, (value,) = self._all_sum(sums, [float(loss)])
         return summed, value
 
-    def eval_sums(self, trainer: Trainer, batch: Batch) -> dict[str, float]:
+    def eval_sums(self, trainer: TrainerView, batch: Batch) -> dict[str, float]:
         """This rank's slice of the test batch, its sums added over the ranks."""
         x, y = (t.tensor_split(self.world)[self.rank] for t in batch)
         empty = x.shape[0] == 0
@@ -163,7 +163,7 @@ class DataParallelEngine(GradientEngine):
 
     # -- files ---------------------------------------------------------------------------------
 
-    def checkpoint_store(self, trainer: Trainer) -> FolderStore:
+    def checkpoint_store(self, trainer: TrainerView) -> FolderStore:
         return FolderStore(trainer)
 
     def saved(self) -> None:

@@ -22,7 +22,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from revtrain.train.checkpoint import CHECKPOINT_NAME, non_finite_entries, save_checkpoint
 from revtrain.train.checkpoint_folder import (
@@ -36,9 +36,7 @@ from revtrain.train.checkpoint_folder import (
     step_folder,
 )
 from revtrain.train.retention import CheckpointRetention
-
-if TYPE_CHECKING:
-    from revtrain.train.trainer import Trainer
+from revtrain.train.trainer_view import TrainerView
 
 __all__ = ["CheckpointStore", "FileStore", "FolderStore"]
 
@@ -67,7 +65,8 @@ class FileStore:
             calls it; an engine whose processes hold parts of the model gathers them here).
     """
 
-    def __init__(self, trainer: Trainer, full_state: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
+    def __init__(self, trainer: TrainerView,
+                 full_state: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         self.trainer, self.full_state = trainer, full_state
         self.path = trainer.run_dir / CHECKPOINT_NAME
         c = trainer.config
@@ -98,7 +97,7 @@ class FileStore:
 class FolderStore:
     """One ``torch.distributed.checkpoint`` folder per saved step (module docstring)."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: TrainerView) -> None:
         # Imported now, not in the first save: a save that a stop signal asks for should not
         # wait for torch to import DCP (seconds on a busy machine).
         import torch.distributed.checkpoint  # noqa: F401

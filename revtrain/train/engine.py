@@ -30,20 +30,16 @@ is the gradient of the whole step's mean loss. The trainer's loop never asks whi
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from revtrain.tasks import add_sums
 from revtrain.train.checkpoint_store import CheckpointStore, FileStore
 from revtrain.train.config import ConfigError
-
-if TYPE_CHECKING:
-    from revtrain.train.trainer import Trainer
+from revtrain.train.trainer_view import Batch, TrainerView
 
 __all__ = ["Engine", "GradientEngine", "LocalEngine"]
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class Engine(Protocol):
@@ -57,31 +53,31 @@ class Engine(Protocol):
     def describe(self) -> str:
         """How the run is spread, for the header ('' for one process)."""
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: TrainerView) -> None:
         """Take the trainer's model and optimizer, restored when resuming (wrap, shard, check)."""
 
-    def step(self, trainer: Trainer, batches: Sequence[Batch]) -> tuple[torch.Tensor | None, dict[str, float]]:
+    def step(self, trainer: TrainerView, batches: Sequence[Batch]) -> tuple[torch.Tensor | None, dict[str, float]]:
         """Run one step's micro-batches; returns this process's share of the step's loss (None
         when it has none) and the task's sums of what it ran. On the epoch's last step
         (``trainer.epoch_done``) nothing may be left in flight."""
 
-    def apply(self, trainer: Trainer) -> None:
+    def apply(self, trainer: TrainerView) -> None:
         """Make the step's update once the trainer checked its loss, and count it
         (:meth:`Trainer.optimizer_step`, or :meth:`Trainer.advance_schedule` for an update made elsewhere)."""
 
-    def report(self, trainer: Trainer) -> tuple[dict[str, Any], list[str]]:
+    def report(self, trainer: TrainerView) -> tuple[dict[str, Any], list[str]]:
         """The engine's own entries of the finished run's summary, and their lines for the log."""
 
     def all_sum(self, sums: Mapping[str, float], loss: torch.Tensor | None) -> tuple[dict[str, float], float | None]:
         """The task's sums and the step's loss added over the run's processes (None: no batch finished)."""
 
-    def eval_sums(self, trainer: Trainer, batch: Batch) -> dict[str, float]:
+    def eval_sums(self, trainer: TrainerView, batch: Batch) -> dict[str, float]:
         """The task's sums over one test batch, added over the run's processes."""
 
-    def settle(self, trainer: Trainer) -> None:
+    def settle(self, trainer: TrainerView) -> None:
         """Before a checkpoint: finish what is in flight, so that the state can be captured (every process calls it)."""
 
-    def checkpoint_store(self, trainer: Trainer) -> CheckpointStore:
+    def checkpoint_store(self, trainer: TrainerView) -> CheckpointStore:
         """Where and how the run's checkpoints are written (called once, before ``attach``)."""
 
     def saved(self) -> None:
@@ -95,7 +91,7 @@ class GradientEngine:
     """The step of engines that compute the whole model's gradients on every process: each
     micro-batch through :meth:`forward_backward`, then one optimizer update."""
 
-    def step(self, trainer: Trainer, batches: Sequence[Batch]) -> tuple[torch.Tensor | None, dict[str, float]]:
+    def step(self, trainer: TrainerView, batches: Sequence[Batch]) -> tuple[torch.Tensor | None, dict[str, float]]:
         trainer.optimizer.zero_grad(set_to_none=True)
         total = sum(len(b[1]) for b in batches)
         loss: torch.Tensor | float = 0.0
@@ -106,16 +102,16 @@ class GradientEngine:
             add_sums(sums, mine)
         return torch.as_tensor(loss), sums
 
-    def apply(self, trainer: Trainer) -> None:
+    def apply(self, trainer: TrainerView) -> None:
         trainer.optimizer_step()
 
-    def settle(self, trainer: Trainer) -> None:
+    def settle(self, trainer: TrainerView) -> None:
         pass  # nothing is in flight between two steps
 
-    def report(self, trainer: Trainer) -> tuple[dict[str, Any], list[str]]:
+    def report(self, trainer: TrainerView) -> tuple[dict[str, Any], list[str]]:
         return {}, []
 
-    def forward_backward(self, trainer: Trainer, batch: Batch, total: int, *,
+    def forward_backward(self, trainer: TrainerView, batch: Batch, total: int, *,
                          last: bool) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch of a step of ``total`` samples: forward, loss, backward.
 
@@ -141,14 +137,14 @@ class LocalEngine(GradientEngine):
     def describe(self) -> str:
         return ""
 
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: TrainerView) -> None:
         refuse_stages(trainer)
         refuse_processes(trainer)
 
-    def checkpoint_store(self, trainer: Trainer) -> CheckpointStore:
+    def checkpoint_store(self, trainer: TrainerView) -> CheckpointStore:
         return FileStore(trainer)
 
-    def forward_backward(self, trainer: Trainer, batch: Batch, total: int, *,
+    def forward_backward(self, trainer: TrainerView, batch: Batch, total: int, *,
                          last: bool) -> tuple[torch.Tensor, dict[str, float]]:
         x, y = trainer.on_device(batch)
         return backward_share(trainer, trainer.model, x, y, x.shape[0] / total)
@@ -156,7 +152,7 @@ class LocalEngine(GradientEngine):
     def all_sum(self, sums: Mapping[str, float], loss: torch.Tensor | None) -> tuple[dict[str, float], float | None]:
         return dict(sums), None if loss is None else float(loss)
 
-    def eval_sums(self, trainer: Trainer, batch: Batch) -> dict[str, float]:
+    def eval_sums(self, trainer: TrainerView, batch: Batch) -> dict[str, float]:
         x, y = trainer.on_device(batch)
         with trainer.autocast():
             output = trainer.model(x)
@@ -169,7 +165,7 @@ class LocalEngine(GradientEngine):
         return signum
 
 
-def backward_share(trainer: Trainer, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+def backward_share(trainer: TrainerView, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                    weight: float) -> tuple[torch.Tensor, dict[str, float]]:
     """Forward ``x``, backpropagate ``weight`` times its mean loss; returns that share and the sums."""
     with trainer.autocast():
@@ -180,14 +176,14 @@ def backward_share(trainer: Trainer, model: torch.nn.Module, x: torch.Tensor, y:
     return share.detach(), trainer.task.batch_sums(output.detach(), y, loss.detach())
 
 
-def refuse_stages(trainer: Trainer) -> None:
+def refuse_stages(trainer: TrainerView) -> None:
     """A run configured for PETRA stages (a resumed one, say) needs the PETRA engine."""
     if trainer.config.stages is not None:
         raise ConfigError(f"this run trains {trainer.config.stages} PETRA stages; pass --stages "
                           f"{trainer.config.stages} (its checkpoint holds one state per stage)")
 
 
-def refuse_processes(trainer: Trainer) -> None:
+def refuse_processes(trainer: TrainerView) -> None:
     """A run configured for several data-parallel processes needs them (one process would write
     that it ran on N)."""
     n = trainer.config.data_parallel
