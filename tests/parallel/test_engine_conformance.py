@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -58,13 +59,29 @@ def _weights(run: Path, engine: str) -> dict[str, torch.Tensor]:
     return _latest(run, engine)["model"]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The folder of an engine's uninterrupted run, trained once for the module. PETRA's
+    processes equal its simulator bit for bit (test_cli.py): their uninterrupted run is the
+    simulator's."""
+    runs: dict[str, Path] = {}
+
+    def run(engine: str) -> Path:
+        engine = "petra-simulator" if engine == "petra-processes" else engine
+        if engine not in runs:
+            folder = tmp_path_factory.mktemp(engine) / "full"
+            assert main(["train", *ENGINES[engine], *RUN, "--run-dir", str(folder)]) == 0
+            runs[engine] = folder
+        return runs[engine]
+
+    return run
+
+
 @pytest.mark.parametrize("engine", list(ENGINES))
-def test_records_evaluation_memory_report_and_exact_resume(engine: str, tmp_path: Path) -> None:
+def test_records_evaluation_memory_report_and_exact_resume(engine: str, tmp_path: Path,
+                                                           uninterrupted: Callable[[str], Path]) -> None:
     flags = ENGINES[engine]
-    full, split = tmp_path / "full", tmp_path / "split"
-    # PETRA's processes equal its simulator bit for bit (test_cli.py): the uninterrupted run is the simulator's
-    uninterrupted = ENGINES["petra-simulator"] if engine == "petra-processes" else flags
-    assert main(["train", *uninterrupted, *RUN, "--run-dir", str(full)]) == 0
+    full, split = uninterrupted(engine), tmp_path / "split"
     records = _records(full)
     assert [r["step"] for r in records if r["event"] == "step"] == [1, 2, 3, 4]  # one writer
     epochs = [r for r in records if r["event"] == "epoch"]
@@ -77,7 +94,10 @@ def test_records_evaluation_memory_report_and_exact_resume(engine: str, tmp_path
         assert [m["stage"] for m in memory] == [0, 1] and all(m["param_bytes"] > 0 for m in memory)
     else:  # one step's memory in the run's modes and with plain backprop
         assert summary["step_peak_bytes"] > 0 and summary["plain_backprop_peak_bytes"] > 0
-    assert json.loads((full / "config.json").read_text())["stages"] == (2 if engine.startswith("petra") else None)
+    config = json.loads((full / "config.json").read_text())  # the whole run: stages, processes
+    assert config["stages"] == (2 if engine.startswith("petra") else None)
+    assert config["data_parallel"] == (2 if engine == "data-parallel" else None)
+    assert config["engine"] == ("simulator" if engine.startswith("petra") else "processes")
 
     assert main(["train", *flags, *RUN, "--epochs", "1", "--no-memory-report", "--run-dir", str(split)]) == 0
     assert main(["train", *flags, *RUN, "--no-memory-report", "--resume", str(split)]) == 0
@@ -86,6 +106,9 @@ def test_records_evaluation_memory_report_and_exact_resume(engine: str, tmp_path
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     again = [r for r in _records(split) if r["event"] == "epoch"]
     assert again[-1]["test_loss"] == epochs[-1]["test_loss"]
+    resumed = json.loads((split / "config.json").read_text())  # the processes this command ran on
+    assert (resumed["engine"], resumed["data_parallel"]) == (
+        "simulator" if engine == "petra-simulator" else "processes", 2 if engine == "data-parallel" else None)
 
 
 @pytest.mark.parametrize("engine", list(ENGINES))
