@@ -14,15 +14,19 @@ works too). Every process runs the ordinary :class:`~revtrain.train.Trainer` wit
   update equals one process on the same batches (up to the order of float additions; batch norm normalises each slice with
   its own statistics, as DDP always does). The loss and the task's sums are all-reduced, so
   the metrics, the progress and the divergence check are the whole batch's on every rank.
+- **Buffers**: after every update each floating-point buffer becomes its mean over the
+  processes (instead of DDP's broadcast of rank 0's before every forward), so every process
+  evaluates and saves the same batch-norm statistics: the running mean one process would track
+  on the whole batch (equal slices), the running variance the mean of the processes' own
+  (each slice's variance about its own mean).
 - **Evaluation**: each rank evaluates its slice of every test batch; the sums are all-reduced.
 - **Files**: rank 0 writes the run folder (``config.json``, ``metrics.jsonl``, ``summary.json``,
   the memory report) by the trainer's own rules. Checkpoints are folders written by
   ``torch.distributed.checkpoint`` (:class:`~revtrain.train.checkpoint_store.FolderStore`,
   ``<run>/checkpoints/step-<step>/``): with ``--shard`` every rank writes its own shards
   (nothing is gathered on one rank); what every rank holds whole (DDP's model and optimizer,
-  the buffers) rank 0 writes, so the batch-norm statistics saved are rank 0's, which DDP
-  broadcasts before every forward; rank 0 also writes the rest of the state and the manifest. DCP reshards on load, so a data-parallel run resumes with any
-  number of processes, sharded or not, or in one process (``revtrain train --resume`` without
+  the buffers) rank 0 writes; rank 0 also writes the rest of the state and the manifest. DCP
+  reshards on load, so a data-parallel run resumes with any number of processes, sharded or not, or in one process (``revtrain train --resume`` without
   ``--data-parallel``, ``revtrain.load``).
 
 With ``--shard`` the model is sharded with FSDP2 (``fully_shard`` per reversible block, then
@@ -77,8 +81,9 @@ class DataParallelEngine(GradientEngine):
         if self.sharded:
             self._shard(trainer)
             self.wrapped = trainer.model
-        else:
-            self.wrapped = replicate(trainer.model, trainer.device if trainer.device.type == "cuda" else None)
+        else:  # buffers are averaged after each step instead of broadcast from rank 0 (_average_buffers)
+            self.wrapped = replicate(trainer.model, trainer.device if trainer.device.type == "cuda" else None,
+                                     broadcast_buffers=False)
 
     def _check_slices(self, trainer: TrainerView) -> None:
         c, info = trainer.config, trainer.data_info
@@ -125,6 +130,25 @@ class DataParallelEngine(GradientEngine):
         with sync:
             share, sums = backward_share(trainer, self.wrapped, x, y, x.shape[0] * self.world / total)
         return share / self.world, sums
+
+    def apply(self, trainer: TrainerView) -> None:
+        super().apply(trainer)
+        self._average_buffers()
+
+    def _average_buffers(self) -> None:
+        """Every floating-point buffer becomes its mean over the processes (buffers that every
+        process holds alike stay as they are). Batch norm's running statistics are linear in each
+        micro-batch's statistics, so the running mean becomes the one a single process tracks on
+        the whole batch (equal slices), the running variance the mean of the processes' own."""
+        assert self.model is not None
+        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
+        for dtype in {b.dtype for b in buffers}:
+            group = [b for b in buffers if b.dtype == dtype]
+            flat = torch.cat([b.detach().reshape(-1) for b in group])
+            dist.all_reduce(flat)
+            flat /= self.world
+            for b, value in zip(group, flat.split([b.numel() for b in group]), strict=True):
+                b.copy_(value.view_as(b))
 
     def all_sum(self, sums: Mapping[str, float], loss: torch.Tensor) -> tuple[dict[str, float], float]:
         summed, (value,) = self._all_sum(sums, [float(loss)])

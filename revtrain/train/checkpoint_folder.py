@@ -187,9 +187,8 @@ def save_folder(path: str | os.PathLike[str], tensors: Mapping[str, Any], state:
         tmp.mkdir(parents=True)
     if grouped:
         dist.barrier()
-    # A tensor every process holds (DDP's weights, every buffer) is written from rank 0's copy:
-    # the processes' batch-norm statistics differ (each sees its own slice), and rank 0's are the
-    # run's (DDP broadcasts them before every forward; a single-process resume takes them).
+    # A tensor every process holds (DDP's weights, every buffer) is written once, from rank 0's
+    # copy (the data-parallel engine keeps the buffers equal on every process).
     planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"

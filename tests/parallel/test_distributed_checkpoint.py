@@ -144,6 +144,54 @@ def test_data_parallel_runs_resume_exactly_with_another_number_of_processes(tmp_
     assert any(not torch.equal(start[k], v) for k, v in want.items())
 
 
+class _NormNet(_Net):
+    """_Net with batch norm after the stem: its input (the stem's output) does not depend on how
+    the batch is cut, so its statistics can be computed here from the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm2d(8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.seq(self.bn(self.stem(x.double())))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def _norm_net() -> _NormNet:
+    torch.manual_seed(0)
+    return _NormNet()
+
+
+def batch_norm_rank(rank: int, world: int, out_dir: str) -> None:
+    from revtrain.parallel.replicas import DataParallelEngine
+
+    for kind, sharded in KINDS.items():
+        config = _config(Path(out_dir, kind), epochs=1, max_steps_per_epoch=1)
+        Trainer(config, model=_norm_net(), engine=DataParallelEngine(sharded=sharded)).fit()
+
+
+def test_data_parallel_runs_save_the_batch_norm_statistics_of_every_process(tmp_path: Path) -> None:
+    """One step on 2 processes (slices of 6 of a batch of 12), DDP and FSDP2: the saved running
+    mean is the whole batch's (as one process on it would track), the running variance the mean
+    of the two slices' (each about its own mean): every process's statistics count, not rank 0's."""
+    run_ranks(batch_norm_rank, 2, str(tmp_path))
+    probe = Trainer(_config(tmp_path / "probe"), model=_norm_net())
+    x, _ = probe.first_batch()
+    with torch.no_grad():
+        h = probe.model.stem(x.double())  # (B, C, H, W): the batch norm's input in the step's forward
+    slices = h.tensor_split(2)
+    momentum = probe.model.bn.momentum
+    mean = momentum * h.mean(dim=(0, 2, 3))
+    var = (1 - momentum) + momentum * torch.stack([s.var(dim=(0, 2, 3)) for s in slices]).mean(dim=0)
+    rank0 = momentum * slices[0].mean(dim=(0, 2, 3))
+    assert (mean - rank0).abs().max() > 1e-3  # what rank 0 alone would have saved differs
+    for kind in KINDS:
+        state = read_checkpoint(latest_checkpoint(tmp_path / kind))
+        assert state["progress"]["step"] == 1
+        torch.testing.assert_close(state["model"]["bn.running_mean"], mean, rtol=1e-12, atol=1e-14, msg=kind)
+        torch.testing.assert_close(state["model"]["bn.running_var"], var, rtol=1e-12, atol=1e-14, msg=kind)
+
+
 class _FolderEngine(LocalEngine):
     """One process, checkpoints written as the data-parallel engine writes them (a DCP folder)."""
 
