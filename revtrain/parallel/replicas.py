@@ -142,13 +142,14 @@ class DataParallelEngine(GradientEngine):
         the whole batch (equal slices), the running variance the mean of the processes' own."""
         assert self.model is not None
         buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        for dtype in {b.dtype for b in buffers}:
-            group = [b for b in buffers if b.dtype == dtype]
-            flat = torch.cat([b.detach().reshape(-1) for b in group])
-            dist.all_reduce(flat)
-            flat /= self.world
-            for b, value in zip(group, flat.split([b.numel() for b in group]), strict=True):
-                b.copy_(value.view_as(b))
+        if not buffers:
+            return
+        # Summed in float64: N equal float32 (or narrower) values average back to themselves exactly.
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
+        dist.all_reduce(flat)
+        flat /= self.world
+        for b, value in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+            b.copy_(value.view_as(b))
 
     def all_sum(self, sums: Mapping[str, float], loss: torch.Tensor) -> tuple[dict[str, float], float]:
         summed, (value,) = self._all_sum(sums, [float(loss)])
