@@ -52,6 +52,12 @@ def run_parallel(argv: Sequence[str], given: dict[str, Any]) -> int | None:
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else 1
     config = TrainConfig(**given)  # every engine validates the run's options as one process does
+    resolved = None
+    if given.get("resume") is not None:  # a resumed run keeps its stages and split: its layout is the run's
+        from revtrain.train.resume import resolve_run
+
+        resolved = resolve_run(dict(given))
+        config = resolved.config
     n = config.data_parallel
     if n is None and (config.stages is None or config.engine == "simulator"):
         if world > 1:
@@ -76,7 +82,7 @@ def run_parallel(argv: Sequence[str], given: dict[str, Any]) -> int | None:
     try:
         from revtrain.parallel.launch import launch_ranks
 
-        launch_ranks([*argv, *_prepare(given, world)], world, role=role, run=run, port=config.port)
+        launch_ranks([*argv, *_prepare(given, world, resolved)], world, role=role, run=run, port=config.port)
         return 0
     except StageFailedError as err:
         print(f"revtrain train: {type(err).__name__}: {err}", file=sys.stderr)
@@ -94,8 +100,9 @@ def single_process_engine(config: TrainConfig) -> Any:
     if config.stages is None:
         return None
     if config.engine != "simulator":
-        raise PipelineConfigError(f"this run trains {config.stages} PETRA stages; pass --stages {config.stages} "
-                                  "(its checkpoint holds one state per stage)")
+        raise PipelineConfigError(f"this run trains {config.stages} PETRA stages (its checkpoint holds one state per "
+                                  f"stage); pass --stages {config.stages} --engine simulator to train them in this "
+                                  f"process, or --stages {config.stages} for one process per stage")
     from revtrain.parallel.petra_engine import PetraEngine
 
     return PetraEngine(simulate=True)
@@ -119,8 +126,9 @@ def check_petra_split(config: TrainConfig) -> None:
         plan_segments(stage, config.input_buffer)  # refuses input_buffer="none" on a non-reversible stage
 
 
-def _prepare(given: Mapping[str, Any], world: int) -> list[str]:
-    """Resolve the run before any process starts; returns the options every rank adds.
+def _prepare(given: Mapping[str, Any], world: int, run: Any = None) -> list[str]:
+    """Resolve the run before any process starts (unless ``run`` is the resolved run already);
+    returns the options every rank adds.
 
     The run folder and the checkpoint (:func:`~revtrain.train.resolve_run`: a folder holding
     another run, a checkpoint that does not fit), the backend for the device. The ranks get the
@@ -130,7 +138,8 @@ def _prepare(given: Mapping[str, Any], world: int) -> list[str]:
     from revtrain.train.environment import resolve_device
     from revtrain.train.resume import resolve_run
 
-    run = resolve_run(dict(given))
+    if run is None:
+        run = resolve_run(dict(given))
     check_backend(run.config.backend, resolve_device(run.config.device))
     extra = ["--run-dir", str(run.run_dir)]
     if run.checkpoint is not None:
@@ -143,7 +152,8 @@ def _prepare(given: Mapping[str, Any], world: int) -> list[str]:
 def _run_rank(given: Mapping[str, Any], config: TrainConfig) -> NoReturn:
     """One rank of the run (started by the local launcher or torchrun): join the group, resolve the
     run (rank 0 picks the folder and the checkpoint), train with the run's engine, then end the
-    process (:func:`~revtrain.parallel.distributed.exit_rank`).
+    process (:func:`~revtrain.parallel.distributed.exit_rank`). ``config`` is the run's (a resumed
+    run's, its stages included), which picks the engine.
 
     A failure is printed and recorded in the agent's error file (``TORCHELASTIC_ERROR_FILE``,
     what ``@record`` writes), so that the launcher's message names the cause; the exit code is 1

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from revtrain.cli import main
+from revtrain.train.checkpoint import load_checkpoint, save_checkpoint
 from revtrain.train.checkpoint_folder import latest_checkpoint, read_checkpoint
 
 from .launched import launch_until_training
@@ -139,25 +140,65 @@ def test_bad_input_fails_before_any_process_starts(argv: list[str], message: str
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "errors").exists()
 
 
-def test_a_petra_run_resumes_with_its_stages_and_replicas_only(tmp_path: Path,
+def test_a_petra_run_resumes_with_its_stages_and_replicas_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """Its checkpoint holds one state per stage: another stage count or replica count is refused
-    before any process starts, and the run is left as it was."""
+    before any process starts, and the run is left as it was. ``--resume`` alone takes the
+    stages (and the saved split) from the run: the launcher starts PETRA's ranks, never a
+    data-parallel run of a PETRA checkpoint."""
     run = tmp_path / "run"
     sim = ["--stages", "2", "--engine", "simulator", "--balance", "count", "--batch-size", "16", "--threads", "1",
            "--max-steps-per-epoch", "1", "--quiet", "--no-memory-report"]
     assert main(["train", *sim, "--epochs", "1", "--run-dir", str(run)]) == 0
-    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    # The same run as 2 stages x 2 replicas (its saved config says so; launching is captured below).
+    hybrid = tmp_path / "hybrid"
+    hybrid.mkdir()
+    state = load_checkpoint(run / "checkpoint.pt")
+    state["config"] = {**state["config"], "data_parallel": 2, "engine": "processes", "run_dir": str(hybrid)}
+    save_checkpoint(state, hybrid / "checkpoint.pt")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     for argv, message in [
         (["--stages", "3", "--engine", "simulator"], "cannot resume .* as 3 PETRA stage.s. x 1 replica.s.: the run "
                                                      "trained 2 stages x 1 replica.s.*pass --stages 2 without --data-parallel"),
         (["--stages", "2", "--data-parallel", "2"], "as 2 PETRA stage.s. x 2 replica.s."),
-        ([], "this run trains 2 PETRA stages; pass --stages 2"),
+        (["--data-parallel", "2"], "as 2 PETRA stage.s. x 2 replica.s."),
+        (["--resume", str(hybrid)], "as 2 PETRA stage.s. x 1 replica.s.: the run trained 2 stages x 2 replica.s.*"
+                                    "pass --stages 2 --data-parallel 2"),
+        (["--resume", str(hybrid), "--data-parallel", "4"], "as 2 PETRA stage.s. x 4 replica.s."),
     ]:
-        assert main(["train", *argv, "--epochs", "2", "--resume", str(run)]) == 2, argv
+        assert main(["train", "--resume", str(run), *argv, "--epochs", "2"]) == 2, argv
         err = capsys.readouterr().err
         assert re.search(message, err), (argv, err)
-    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+    import revtrain.parallel.launch as launch
+
+    started: list[tuple[list[str], int, list[str]]] = []
+    monkeypatch.setattr(launch, "launch_ranks", lambda argv, world, *, role, run, port: started.append(
+        (argv, world, [role(r) for r in range(world)])))
+    assert main(["train", "--resume", str(hybrid), "--data-parallel", "2", "--epochs", "2"]) == 0
+    argv, world, roles = started.pop()
+    assert world == 4 and roles == ["stage 0, replica 0", "stage 0, replica 1", "stage 1, replica 0",
+                                    "stage 1, replica 1"]
+    assert argv[argv.index("--resume", argv.index("--data-parallel")) + 1] == str(hybrid / "checkpoint.pt")
+    monkeypatch.undo()
+
+    # For real: 2 PETRA ranks continue the simulator's run (a data-parallel rank would refuse it).
+    assert main(["train", "--resume", str(run), "--data-parallel", "1", "--epochs", "2"]) == 0
+    config = json.loads((run / "config.json").read_text())
+    assert (config["stages"], config["data_parallel"], config["engine"], config["epochs"]) == (2, 1, "processes", 2)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records if r["event"] == "epoch"] == [0, 1]
+
+
+def test_a_one_process_engine_names_both_ways_to_continue_a_petra_run() -> None:
+    from revtrain.parallel.command import single_process_engine
+    from revtrain.parallel.errors import PipelineConfigError
+    from revtrain.train import TrainConfig
+
+    with pytest.raises(PipelineConfigError, match="pass --stages 2 --engine simulator to train them in this process, "
+                                                  "or --stages 2 for one process per stage"):
+        single_process_engine(TrainConfig(stages=2))
 
 
 @pytest.mark.parametrize("flag", ["--stages", "--data-parallel"])
