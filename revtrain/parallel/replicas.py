@@ -14,9 +14,9 @@ works too). Every process runs the ordinary :class:`~revtrain.train.Trainer` wit
   update equals one process on the same batches (up to the order of float additions; batch norm normalises each slice with
   its own statistics, as DDP always does). The loss and the task's sums are all-reduced, so
   the metrics, the progress and the divergence check are the whole batch's on every rank.
-- **Buffers**: after every update each floating-point buffer becomes its mean over the
-  processes (instead of DDP's broadcast of rank 0's before every forward), so every process
-  evaluates and saves the same batch-norm statistics: the running mean one process would track
+- **Buffers**: after every update each persistent floating-point buffer becomes its mean over the
+  processes (:func:`average_buffers`; buffers held alike stay exactly as they are), instead of
+  DDP's broadcast of rank 0's before every forward, so every process evaluates and saves the same batch-norm statistics: the running mean one process would track
   on the whole batch (equal slices), the running variance the mean of the processes' own
   (each slice's variance about its own mean).
 - **Evaluation**: each rank evaluates its slice of every test batch; the sums are all-reduced.
@@ -51,7 +51,7 @@ from revtrain.train.engine import Batch, GradientEngine, backward_share, refuse_
 from revtrain.train.optim import build_optimizer, build_scheduler
 from revtrain.train.trainer_view import TrainerView
 
-__all__ = ["DataParallelEngine"]
+__all__ = ["DataParallelEngine", "average_buffers"]
 
 
 class DataParallelEngine(GradientEngine):
@@ -81,7 +81,7 @@ class DataParallelEngine(GradientEngine):
         if self.sharded:
             self._shard(trainer)
             self.wrapped = trainer.model
-        else:  # buffers are averaged after each step instead of broadcast from rank 0 (_average_buffers)
+        else:  # buffers are averaged after each step instead of broadcast from rank 0 (average_buffers)
             self.wrapped = replicate(trainer.model, trainer.device if trainer.device.type == "cuda" else None,
                                      broadcast_buffers=False)
 
@@ -133,23 +133,8 @@ class DataParallelEngine(GradientEngine):
 
     def apply(self, trainer: TrainerView) -> None:
         super().apply(trainer)
-        self._average_buffers()
-
-    def _average_buffers(self) -> None:
-        """Every floating-point buffer becomes its mean over the processes (buffers that every
-        process holds alike stay as they are). Batch norm's running statistics are linear in each
-        micro-batch's statistics, so the running mean becomes the one a single process tracks on
-        the whole batch (equal slices), the running variance the mean of the processes' own."""
         assert self.model is not None
-        buffers = [b for b in self.model.buffers() if b.is_floating_point()]
-        if not buffers:
-            return
-        # Summed in float64: N equal float32 (or narrower) values average back to themselves exactly.
-        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
-        dist.all_reduce(flat)
-        flat /= self.world
-        for b, value in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
-            b.copy_(value.view_as(b))
+        average_buffers(self.model)
 
     def all_sum(self, sums: Mapping[str, float], loss: torch.Tensor) -> tuple[dict[str, float], float]:
         summed, (value,) = self._all_sum(sums, [float(loss)])
@@ -193,6 +178,46 @@ class DataParallelEngine(GradientEngine):
 
     def saved(self) -> None:
         dist.barrier()
+
+
+def average_buffers(model: torch.nn.Module) -> None:
+    """Every persistent floating-point buffer of ``model`` becomes its mean over the processes of
+    the default group; buffers that every process holds alike stay exactly as they are (any
+    number of processes, any dtype). Non-persistent buffers (constants such as rotary
+    frequencies, which no checkpoint holds) are left alone.
+
+    Batch norm's running statistics are linear in each micro-batch's statistics, so the running
+    mean becomes the one a single process tracks on the whole batch (equal slices), the running
+    variance the mean of the processes' own.
+    """
+    buffers = _persistent_float_buffers(model)
+    if not buffers:
+        return
+    # The mean is rank 0's value plus the mean of the deviations from it, in float64: buffers held
+    # alike deviate by exactly 0 (a plain sum of N equal float64 values, divided by N, is not exact).
+    flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    flat -= ref
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    flat += ref
+    for b, value in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+        b.copy_(value.view_as(b))
+
+
+def _persistent_float_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The floating-point buffers a state dict holds, each once, in a fixed order."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if (b is None or not b.is_floating_point() or name in module._non_persistent_buffers_set
+                    or id(b) in seen):
+                continue
+            seen.add(id(b))
+            out.append(b)
+    return out
 
 
 def _to_shards(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -192,6 +192,45 @@ def test_data_parallel_runs_save_the_batch_norm_statistics_of_every_process(tmp_
         torch.testing.assert_close(state["model"]["bn.running_var"], var, rtol=1e-12, atol=1e-14, msg=kind)
 
 
+_ALIKE = [0.1, 1 / 3, 0.7, 123.456, 1e-300]
+"""Values for which N equal float64 values summed and divided by N do not come back (N = 3)."""
+
+
+class _Buffers(nn.Module):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        alike = torch.tensor(_ALIKE, dtype=torch.float64)
+        self.register_buffer("alike64", alike.clone())
+        self.register_buffer("alike32", alike.float())
+        self.register_buffer("mine", torch.tensor([float(rank), 2.0 * rank + 0.5], dtype=torch.float64))
+        self.register_buffer("constant", torch.tensor([float(rank)]), persistent=False)
+        self.register_buffer("count", torch.tensor(rank))
+
+
+def average_buffers_rank(rank: int, world: int, out_dir: str) -> None:
+    from revtrain.parallel.replicas import average_buffers
+
+    model = _Buffers(rank)
+    average_buffers(model)
+    torch.save(dict(model.named_buffers()), Path(out_dir, f"rank{rank}.pt"))
+
+
+def test_buffers_held_alike_stay_exactly_as_they_are_on_three_processes(tmp_path: Path) -> None:
+    """The data-parallel engine's buffer mean on 3 processes: float64 and float32 buffers every
+    process holds alike come back bit for bit (a plain sum over the processes divided by 3 does
+    not), buffers that differ become their mean on every process, non-persistent (constants)
+    and integer buffers are left alone."""
+    alike = torch.tensor(_ALIKE, dtype=torch.float64)
+    assert not torch.equal((alike + alike + alike) / 3, alike)  # the arithmetic this guards against
+    run_ranks(average_buffers_rank, 3, str(tmp_path))
+    for rank in range(3):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(got["alike64"], alike) and torch.equal(got["alike32"], alike.float()), rank
+        assert torch.equal(got["mine"], torch.tensor([1.0, 2.5], dtype=torch.float64)), rank
+        assert torch.equal(got["constant"], torch.tensor([float(rank)])), rank
+        assert int(got["count"]) == rank
+
+
 class _FolderEngine(LocalEngine):
     """One process, checkpoints written as the data-parallel engine writes them (a DCP folder)."""
 
