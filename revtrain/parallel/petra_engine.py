@@ -1,14 +1,14 @@
 """PETRA inside the one :class:`~revtrain.train.Trainer`: the stage-parallel engine.
 
 ``revtrain train --stages J`` trains the model cut into J stages with delayed gradients
-(Rivaud et al. 2024) through the ordinary TrainerView, which keeps everything else a run does (the
-config, the run folder and its guard, epochs, evaluation, metrics, checkpoints, Ctrl-C/SIGTERM,
-the divergence stop, the resume rules, the summary). :class:`PetraEngine` owns the step:
+(Rivaud et al. 2024) through the ordinary :class:`~revtrain.train.Trainer`, which keeps
+everything else a run does (the config, the run folder and its guard, epochs, evaluation,
+metrics, checkpoints, Ctrl-C/SIGTERM, the divergence stop, the resume rules, the summary). :class:`PetraEngine` owns the step:
 
 - **A step feeds ``k`` micro-batches** (``--accumulation``) into the pipeline: tick ``t`` of the
   epoch's pipeline reads batch ``t``, so a step runs ``k`` ticks; every stage updates after
   ``k`` backward passes (Algorithm 1), so an epoch has as many updates per stage as the
-  TrainerView counts steps. The epoch's last step also drains the pipeline (its last ``2(J-1)``
+  Trainer counts steps. The epoch's last step also drains the pipeline (its last ``2(J-1)``
   ticks) and applies every stage's pending partial accumulation (flush).
 - **The loss of a step** is that of the micro-batches whose forward reached the last stage
   during the step (the pipeline delays it by ``J - 1`` ticks, so an epoch's first steps
@@ -183,7 +183,7 @@ class PetraEngine:
 
     def forward_backward(self, trainer: TrainerView, batch: Batch, total: int, *, last: bool) -> Any:
         raise PipelineConfigError("a PETRA step runs its micro-batches through the pipeline of stages "
-                                  "(TrainerView.train_step); there is no forward-backward of one micro-batch alone")
+                                  "(Trainer.train_step); there is no forward-backward of one micro-batch alone")
 
     def _start(self, epoch: int) -> None:
         self._sizes = []
