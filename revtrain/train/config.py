@@ -21,7 +21,7 @@ from revtrain.errors import RevtrainError
 from revtrain.planner.profile_options import ProfileOptions
 
 __all__ = ["TrainConfig", "ConfigError", "field_docs", "SCHEDULES", "OPTIMIZERS", "DEVICES", "AMP_DTYPES",
-           "PROCESS_LAYOUT"]
+           "PROCESS_LAYOUT", "DATA_PARALLEL_REFUSES"]
 
 SCHEDULES = ("cosine", "step")
 OPTIMIZERS = ("sgd", "adamw")
@@ -249,7 +249,7 @@ class TrainConfig(ProfileOptions):
             if petra:
                 raise ConfigError(f"{', '.join('--' + _flag(n) for n in petra)}: PETRA options; add --stages J")
             return
-        _at_least(self, "stages", 1)
+        _at_least(self, "stages", 1, flag=True)
         _choice(self, "balance", ("time", "count"))
         _choice(self, "engine", ("processes", "simulator"))
         _choice(self, "input_buffer", ("needed", "all", "none"))
@@ -262,12 +262,12 @@ class TrainConfig(ProfileOptions):
         """The options of a run on several processes: only with one, and what it cannot honour refused."""
         n = self.data_parallel
         if n is not None:
-            _at_least(self, "data_parallel", 1)
+            _at_least(self, "data_parallel", 1, flag=True)
         _choice(self, "backend", ("auto", "gloo", "nccl"))
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
-            raise ConfigError(f"port must be an integer in [0, 65535], got {self.port!r}; 0 picks a free one")
+            raise ConfigError(f"port (--port) must be an integer in [0, 65535], got {self.port!r}; 0 picks a free one")
         if not self.timeout > 0:
-            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout}")
+            raise ConfigError(f"timeout (--timeout) must be > 0 seconds, got {self.timeout}")
         if self.shard and n is None:
             raise ConfigError("--shard shards over data-parallel processes; add --data-parallel N")
         processes = n is not None or (self.stages is not None and self.engine == "processes")
@@ -282,7 +282,7 @@ class TrainConfig(ProfileOptions):
                               "takes the GPU of its local rank; pass --device cuda")
         if n is None:
             return
-        for name, (ok, why) in _DATA_PARALLEL_REFUSES.items():
+        for name, (ok, why) in DATA_PARALLEL_REFUSES.items():
             if getattr(self, name) not in ok:
                 raise ConfigError(f"--{_flag(name)} is not available with --data-parallel: {why}")
         if self.stages is None:
@@ -343,7 +343,7 @@ _PETRA_REFUSES = {
 _PROCESS_DEFAULTS = {"backend": "auto", "port": 0, "timeout": 60.0}
 """How the processes of a run start (their defaults): given for a run in one process they are refused."""
 
-_DATA_PARALLEL_REFUSES = {
+DATA_PARALLEL_REFUSES = {
     "budget": ((None,), "planning profiles one process; plan first with `revtrain plan` and pass --mode, or train "
                         "without --data-parallel"),
     "plan": ((None,), "pass the plan's mode with --mode, or train without --data-parallel"),
@@ -403,10 +403,12 @@ def _show(value: Any) -> str:
     return " ".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
-def _at_least(config: TrainConfig, name: str, low: int) -> None:
+def _at_least(config: TrainConfig, name: str, low: int, *, flag: bool = False) -> None:
+    """Refuse a value below ``low``; ``flag``: the message names the option's flag too."""
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        what = f"{name} (--{_flag(name)})" if flag else name
+        raise ConfigError(f"{what} must be an integer >= {low}, got {value!r}")
 
 
 def _choice(config: TrainConfig, name: str, choices: tuple[str, ...]) -> None:

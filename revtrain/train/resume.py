@@ -42,7 +42,7 @@ from revtrain.train.checkpoint_folder import (
     read_checkpoint,
     run_dir_of,
 )
-from revtrain.train.config import PROCESS_LAYOUT, ConfigError, TrainConfig
+from revtrain.train.config import DATA_PARALLEL_REFUSES, PROCESS_LAYOUT, ConfigError, TrainConfig
 from revtrain.train.state import REQUIRED_PARTS
 from revtrain.train.runs import (
     RUNS_ROOT,
@@ -213,6 +213,7 @@ def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[
     home = run_dir_of(path)
     run_dir = Path(given["run_dir"]) if given.get("run_dir") else home
     merged.update(run_dir=str(run_dir), resume=str(path), overwrite=False)
+    _refuse_inherited(given, merged, path)
     config = TrainConfig.from_dict(merged)
     if run_dir.resolve() != home.resolve() and holds_run(run_dir):
         raise RunExistsError(
@@ -252,6 +253,25 @@ def _refuse_fixed_changes(given: Mapping[str, Any], saved: Mapping[str, Any], st
             f"cannot resume {path} with {lines}. Drop {drop} to continue that run, or start a new run "
             "without --resume"
         )
+
+
+_INHERITED_FIX = {"grad_angle_every": "--grad-angle-every 0", "budget": "--mode M (or --mode C)",
+                  "plan": "--mode M (or --mode C)"}
+"""How to drop a resumed run's option that the processes of this command cannot honour."""
+
+
+def _refuse_inherited(given: Mapping[str, Any], merged: Mapping[str, Any], path: Path) -> None:
+    """An option the run was saved with (not given now) that ``--data-parallel`` cannot honour:
+    say where it came from and how to drop it (:class:`TrainConfig` would blame the command)."""
+    if merged.get("data_parallel") is None:
+        return
+    for name, (ok, why) in DATA_PARALLEL_REFUSES.items():
+        if name not in given and merged.get(name) not in ok:
+            raise ResumeConflictError(
+                f"cannot resume {path} with --data-parallel {merged['data_parallel']}: the run was trained with "
+                f"--{_flag(name)} {_show(merged[name])}, which is not available with --data-parallel ({why}); "
+                f"pass {_INHERITED_FIX[name]} to continue it without, or resume it without --data-parallel"
+            )
 
 
 def _refuse_shrinking(config: TrainConfig, state: Mapping[str, Any], path: Path) -> None:

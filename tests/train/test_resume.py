@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from revtrain.train import TrainConfig, Trainer, load_checkpoint, resolve_run
+from revtrain.train.resume import ResumeConflictError
 
 from .conftest import TinyConfig, assert_same_training_state, interrupt_at, make_tiny_config
 
@@ -173,3 +174,16 @@ def test_a_resume_reads_the_checkpoint_once(tiny_config: TinyConfig, monkeypatch
     trainer = Trainer(resolve_run({"resume": config.run_dir, "epochs": 2}))
     trainer.fit()
     assert reads == [Path(config.run_dir) / "checkpoint.pt"] and trainer.step == 6
+
+
+def test_an_option_of_the_resumed_run_that_data_parallel_refuses_is_named_as_the_runs(
+        tiny_config: TinyConfig) -> None:
+    """The run was saved with --grad-angle-every; its resume with --data-parallel says the option
+    came from the run and how to drop it, and dropping it that way resumes."""
+    config = tiny_config("angles", epochs=1, grad_angle_every=3)
+    Trainer(config).fit()
+    with pytest.raises(ResumeConflictError, match=r"the run was trained with --grad-angle-every 3, which is not "
+                                                  r"available with --data-parallel .*pass --grad-angle-every 0"):
+        resolve_run({"resume": config.run_dir, "data_parallel": 2})
+    run = resolve_run({"resume": config.run_dir, "data_parallel": 2, "grad_angle_every": 0})
+    assert (run.config.data_parallel, run.config.grad_angle_every) == (2, 0)
