@@ -143,15 +143,35 @@ def test_every_import_runs_down_the_floors_of_the_architecture_page():
     assert upward == [], f"imports that run sideways or up a floor: {upward}"
 
 
+def _takes_trainer(node: ast.AST) -> bool:
+    """``from revtrain.train.trainer import ...``, ``from revtrain(.train) import Trainer``,
+    ``import revtrain.train.trainer`` (any alias)."""
+    if isinstance(node, ast.ImportFrom):
+        return node.module == "revtrain.train.trainer" or (
+            node.module in ("revtrain.train", "revtrain") and any(a.name == "Trainer" for a in node.names))
+    if isinstance(node, ast.Import):
+        return any(a.name == "revtrain.train.trainer" or a.name.startswith("revtrain.train.trainer.")
+                   for a in node.names)
+    return False
+
+
+def test_the_trainer_import_check_sees_every_form_of_import():
+    taken = ["from revtrain.train.trainer import Trainer", "from revtrain.train import Trainer",
+             "from revtrain import Trainer as T", "import revtrain.train.trainer",
+             "import revtrain.train.trainer as trainer_module"]
+    free = ["from revtrain.train.trainer_view import TrainerView", "import revtrain.train.trainer_view",
+            "import revtrain.train", "from revtrain.train import TrainConfig"]
+    assert all(_takes_trainer(ast.parse(line).body[0]) for line in taken)
+    assert not any(_takes_trainer(ast.parse(line).body[0]) for line in free)
+
+
 def test_engines_and_checkpoint_stores_do_not_import_the_trainer():
     """Not even for annotations (``TYPE_CHECKING``): they are handed the Trainer and type it as
     ``train/trainer_view.py``'s ``TrainerView``, so the trainer -> engine -> store arrows run one way."""
     for name in ("train/engine.py", "train/checkpoint_store.py", "train/trainer_view.py", "parallel/replicas.py",
                  "parallel/petra_engine.py"):
         tree = ast.parse((ROOT / name).read_text())
-        imports = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+        imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
         assert imports, name
         for node in imports:
-            takes_trainer = node.module == "revtrain.train.trainer" or (
-                node.module in ("revtrain.train", "revtrain") and any(a.name == "Trainer" for a in node.names))
-            assert not takes_trainer, f"{name} imports the Trainer (line {node.lineno})"
+            assert not _takes_trainer(node), f"{name} imports the Trainer (line {node.lineno})"
