@@ -226,7 +226,7 @@ def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[
             f"--run-dir, or drop --run-dir to continue in {home}"
         )
     _refuse_shrinking(config, state, path)
-    _refuse_other_stages(config, saved, path)
+    _refuse_other_stages(config, saved, path, replicas_known="data_parallel" in state["config"])
     notes += _announce_changes(saved, config.to_dict(), state)
     progress, loader = state.get("progress", {}), state["train_loader"]
     if loader["epoch"] >= config.epochs and progress.get("pending_eval") is None:
@@ -292,13 +292,23 @@ def _refuse_shrinking(config: TrainConfig, state: Mapping[str, Any], path: Path)
         )
 
 
-def _refuse_other_stages(config: TrainConfig, saved: Mapping[str, Any], path: Path) -> None:
+def _refuse_other_stages(config: TrainConfig, saved: Mapping[str, Any], path: Path, *,
+                         replicas_known: bool = True) -> None:
     """A PETRA run's checkpoint holds one state per stage, each of its replicas' (a data-parallel
-    run may continue as a PETRA run: its checkpoint holds the whole model)."""
+    run may continue as a PETRA run: its checkpoint holds the whole model). A run saved before
+    its config recorded ``data_parallel`` (``replicas_known`` False) is checked by its stages only."""
     if saved.get("stages") is None:
         return
     was = (saved["stages"], saved.get("data_parallel") or 1)
     now = (config.stages, config.data_parallel or 1)
+    if not replicas_known:
+        if now[0] != was[0]:
+            raise ResumeConflictError(
+                f"cannot resume {path} as {now[0]} PETRA stage(s): the run trained {was[0]} stages, and its "
+                f"checkpoint holds one state per stage; pass --stages {was[0]} (with the run's --data-parallel), "
+                "or start a new run without --resume"
+            )
+        return
     if now != was:
         raise ResumeConflictError(
             f"cannot resume {path} as {now[0]} PETRA stage(s) x {now[1]} replica(s): the run trained {was[0]} "

@@ -156,6 +156,11 @@ def test_a_petra_run_resumes_with_its_stages_and_replicas_only(tmp_path: Path, m
     state = load_checkpoint(run / "checkpoint.pt")
     state["config"] = {**state["config"], "data_parallel": 2, "engine": "processes", "run_dir": str(hybrid)}
     save_checkpoint(state, hybrid / "checkpoint.pt")
+    # Saved before the config recorded data_parallel: its replicas are unknown, its stages are not.
+    old = tmp_path / "old"
+    old.mkdir()
+    state["config"] = {k: v for k, v in state["config"].items() if k != "data_parallel"} | {"run_dir": str(old)}
+    save_checkpoint(state, old / "checkpoint.pt")
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     for argv, message in [
         (["--stages", "3", "--engine", "simulator"], "cannot resume .* as 3 PETRA stage.s. x 1 replica.s.: the run "
@@ -165,6 +170,8 @@ def test_a_petra_run_resumes_with_its_stages_and_replicas_only(tmp_path: Path, m
         (["--resume", str(hybrid)], "as 2 PETRA stage.s. x 1 replica.s.: the run trained 2 stages x 2 replica.s.*"
                                     "pass --stages 2 --data-parallel 2"),
         (["--resume", str(hybrid), "--data-parallel", "4"], "as 2 PETRA stage.s. x 4 replica.s."),
+        (["--resume", str(old), "--stages", "3", "--data-parallel", "2"],
+         "as 3 PETRA stage.s.: the run trained 2 stages.*pass --stages 2 .with the run's --data-parallel."),
     ]:
         assert main(["train", "--resume", str(run), *argv, "--epochs", "2"]) == 2, argv
         err = capsys.readouterr().err
@@ -181,6 +188,8 @@ def test_a_petra_run_resumes_with_its_stages_and_replicas_only(tmp_path: Path, m
     assert world == 4 and roles == ["stage 0, replica 0", "stage 0, replica 1", "stage 1, replica 0",
                                     "stage 1, replica 1"]
     assert argv[argv.index("--resume", argv.index("--data-parallel")) + 1] == str(hybrid / "checkpoint.pt")
+    assert main(["train", "--resume", str(old), "--data-parallel", "2", "--epochs", "2"]) == 0
+    assert started.pop()[1:] == (4, roles)
     monkeypatch.undo()
 
     # For real: 2 PETRA ranks continue the simulator's run (a data-parallel rank would refuse it).
