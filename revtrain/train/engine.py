@@ -179,8 +179,10 @@ def backward_share(trainer: TrainerView, model: torch.nn.Module, x: torch.Tensor
 def refuse_stages(trainer: TrainerView) -> None:
     """A run configured for PETRA stages (a resumed one, say) needs the PETRA engine."""
     if trainer.config.stages is not None:
-        raise ConfigError(f"this run trains {trainer.config.stages} PETRA stages; pass --stages "
-                          f"{trainer.config.stages} (its checkpoint holds one state per stage)")
+        j = trainer.config.stages
+        raise ConfigError(f"this run trains {j} PETRA stages (its checkpoint holds one state per stage); pass "
+                          f"--stages {j} --engine simulator to train them in one process, or --stages {j} for one "
+                          "process per stage")
 
 
 def refuse_processes(trainer: TrainerView) -> None:

@@ -205,9 +205,17 @@ def test_a_one_process_engine_names_both_ways_to_continue_a_petra_run() -> None:
     from revtrain.parallel.errors import PipelineConfigError
     from revtrain.train import TrainConfig
 
+    from types import SimpleNamespace
+
+    from revtrain.train.config import ConfigError
+    from revtrain.train.engine import refuse_stages
+
     with pytest.raises(PipelineConfigError, match="pass --stages 2 --engine simulator to train them in this process, "
                                                   "or --stages 2 for one process per stage"):
         single_process_engine(TrainConfig(stages=2))
+    with pytest.raises(ConfigError, match="pass --stages 2 --engine simulator to train them in one process, "
+                                          "or --stages 2 for one process per stage"):
+        refuse_stages(SimpleNamespace(config=TrainConfig(stages=2)))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("flag", ["--stages", "--data-parallel"])
