@@ -67,7 +67,7 @@ def run_parallel(argv: Sequence[str], given: dict[str, Any]) -> int | None:
                                       f"train the whole run into the same folder; {fix}, or start one process")
         return None
     if torchrun:  # this process is one rank: it trains instead of launching
-        _run_rank(given, config)
+        _run_rank(given, config, resolved)
     stages = config.stages or 1
     if config.stages is not None:
         check_petra_split(config)
@@ -149,11 +149,12 @@ def _prepare(given: Mapping[str, Any], world: int, run: Any = None) -> list[str]
     return extra
 
 
-def _run_rank(given: Mapping[str, Any], config: TrainConfig) -> NoReturn:
+def _run_rank(given: Mapping[str, Any], config: TrainConfig, resolved: Any = None) -> NoReturn:
     """One rank of the run (started by the local launcher or torchrun): join the group, resolve the
     run (rank 0 picks the folder and the checkpoint), train with the run's engine, then end the
     process (:func:`~revtrain.parallel.distributed.exit_rank`). ``config`` is the run's (a resumed
-    run's, its stages included), which picks the engine.
+    run's, its stages included), which picks the engine; ``resolved``: the resumed run this process
+    resolved already (its checkpoint is not read again when rank 0 picks the same).
 
     A failure is printed and recorded in the agent's error file (``TORCHELASTIC_ERROR_FILE``,
     what ``@record`` writes), so that the launcher's message names the cause; the exit code is 1
@@ -186,13 +187,14 @@ def _run_rank(given: Mapping[str, Any], config: TrainConfig) -> NoReturn:
                                       f"{want} processes, or pass the options that fit {size}")
         box: list[Any] = [None]
         if rank == 0:  # one folder and one checkpoint for every rank
-            run = resolve_run(dict(given))
+            run = resolved if resolved is not None else resolve_run(dict(given))
             box = [{"run_dir": str(run.run_dir), "resume": str(run.checkpoint) if run.checkpoint else None}]
         dist.broadcast_object_list(box, src=0)
         mine = {k: v for k, v in given.items() if k != "resume"} | {"run_dir": box[0]["run_dir"]}
         if box[0]["resume"] is not None:
             mine["resume"] = box[0]["resume"]
-        run = resolve_run(mine) if rank != 0 else run
+        same = resolved is not None and box[0] == {"run_dir": str(resolved.run_dir), "resume": str(resolved.checkpoint)}
+        run = (resolved if same else resolve_run(mine)) if rank != 0 else run
         dist.barrier()
         engine: Any = (PetraEngine(simulate=False, replicas=config.data_parallel or 1, timeout=config.timeout)
                        if petra else DataParallelEngine(sharded=config.shard))
