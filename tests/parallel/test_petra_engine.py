@@ -57,12 +57,15 @@ def test_a_resume_keeps_the_split_and_refuses_another(tmp_path: Path, capsys: py
     capsys.readouterr()
     assert main([*argv, "--epochs", "2", "--split", "5,4", "--resume", str(run)]) == 2
     assert "trained with the split 6,3 (blocks per stage) and this run asks for 5,4" in capsys.readouterr().err
-    assert main(["train", "--epochs", "2", "--resume", str(run)]) == 2  # no --stages: the local engine
-    assert "pass --stages 2" in capsys.readouterr().err
-    assert main([*argv, "--epochs", "2", "--resume", str(run)]) == 0  # the split it had, without --split
+    # No --stages: the run's stages and split, on one process per stage (--engine is each command's).
+    assert main(["train", "--epochs", "2", "--resume", str(run)]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["petra"]["split"] == [6, 3] and summary["steps"] == 4
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["stage0-step4.pt", "stage1-step4.pt"]
+    assert json.loads((run / "config.json").read_text())["engine"] == "processes"
+    assert main([*argv, "--epochs", "3", "--resume", str(run)]) == 0  # the split it had, without --split
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["petra"]["split"] == [6, 3] and summary["steps"] == 6
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["stage0-step6.pt", "stage1-step6.pt"]
 
 
 def test_the_simulator_under_torchrun_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
