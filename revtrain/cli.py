@@ -115,10 +115,11 @@ def _run_train(args: argparse.Namespace) -> int:
     from revtrain.train.config_file import merge_with_file
 
     given = merge_with_file(args.config, TrainConfig, _given(args, TrainConfig))
-    status = run_parallel(args.argv, given)
+    resumed = resolve_run(dict(given)) if given.get("resume") is not None else None  # its checkpoint is read once
+    status = run_parallel(args.argv, given, resumed)
     if status is not None:
         return status
-    run = resolve_run(given)
+    run = resumed if resumed is not None else resolve_run(given)
     trainer = Trainer(run, engine=single_process_engine(run.config))
     try:
         trainer.fit()

@@ -104,6 +104,23 @@ def test_train_then_resume_with_more_epochs(capsys: pytest.CaptureFixture[str], 
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
 
 
+def test_train_resume_reads_the_checkpoint_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`revtrain train --resume` learns the run's process layout and trains from one read of its checkpoint."""
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--epochs", "1", "--run-dir", str(run)]) == 0
+    reads: list[object] = []
+    real_load = torch.load
+
+    def counting_load(*args: object, **kwargs: object) -> object:
+        reads.append(args[0])
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", counting_load)
+    assert main(["train", "--resume", str(run), "--epochs", "2", "--no-memory-report", "--quiet"]) == 0
+    assert reads == [run / "checkpoint.pt"]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+
+
 def test_train_with_check_every_from_the_command_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     run = tmp_path / "run"
     assert main(["train", *TINY, "--epochs", "1", "--check-every", "0", "--run-dir", str(run)]) == 0

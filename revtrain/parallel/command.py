@@ -36,12 +36,14 @@ _COLLECTIVE_TIMEOUT_S = 1800.0
 than a tick's wait for a neighbour (``--timeout``)."""
 
 
-def run_parallel(argv: Sequence[str], given: dict[str, Any]) -> int | None:
+def run_parallel(argv: Sequence[str], given: dict[str, Any], resolved: Any = None) -> int | None:
     """Run ``revtrain train`` on several processes if its options ask for it; None otherwise.
 
     Args:
         argv: The command line (``train ...``): what every local rank runs.
         given: The :class:`~revtrain.train.TrainConfig` options given.
+        resolved: The resumed run when the caller resolved it already (``--resume``); resolved
+            here otherwise.
 
     Returns:
         The exit status (1: a process failed, the message is printed; 128 + a signal that
@@ -52,11 +54,11 @@ def run_parallel(argv: Sequence[str], given: dict[str, Any]) -> int | None:
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else 1
     config = TrainConfig(**given)  # every engine validates the run's options as one process does
-    resolved = None
     if given.get("resume") is not None:  # a resumed run keeps its stages and split: its layout is the run's
-        from revtrain.train.resume import resolve_run
+        if resolved is None:
+            from revtrain.train.resume import resolve_run
 
-        resolved = resolve_run(dict(given))
+            resolved = resolve_run(dict(given))
         config = resolved.config
     n = config.data_parallel
     if n is None and (config.stages is None or config.engine == "simulator"):
