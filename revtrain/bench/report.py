@@ -82,6 +82,13 @@ class Table:
     rows: list[dict[str, Any]] = field(default_factory=list)
     note: str = ""
     """What the table measures and how to read it (markdown, printed above the table)."""
+    merge_key: tuple[str, ...] | None = None
+    """The columns that name a row when a part is merged (:func:`merge_reports`): a new row replaces
+    the old rows with the same values there. None: the first column; ``()``: the table is one
+    measurement, which a new part replaces whole."""
+
+    def key_columns(self) -> tuple[str, ...]:
+        return (self.columns[0].key,) if self.merge_key is None else tuple(self.merge_key)
 
     def markdown(self) -> str:
         lines = ["| " + " | ".join(c.heading for c in self.columns) + " |",
@@ -185,7 +192,7 @@ def write_report(report: Report, out: Path, *, json_too: bool = False) -> list[P
         path = out.with_name(out.name + ".json")
         payload = {"suite": report.suite, "title": report.title, "header": report.header, "intro": report.intro,
                    "notes": report.notes, "figures": report.figures, "appendix": report.appendix,
-                   "tables": [{"name": t.name, "title": t.title, "note": t.note,
+                   "tables": [{"name": t.name, "title": t.title, "note": t.note, "merge_key": t.key_columns(),
                                "columns": [[c.key, c.heading, c.kind] for c in t.columns], "rows": t.rows}
                               for t in report.tables]}
         path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
@@ -202,7 +209,9 @@ def read_report(path: Path) -> Report:
         if "columns" not in t:
             raise ValueError(f"{path} has no table columns (written by an older runner), so parts cannot be merged "
                              "into it; run the whole suite once without --merge, or delete the file")
-        tables.append(Table(t["name"], t["title"], [Column(*c) for c in t["columns"]], list(t["rows"]), t.get("note", "")))
+        key = t.get("merge_key")
+        tables.append(Table(t["name"], t["title"], [Column(*c) for c in t["columns"]], list(t["rows"]), t.get("note", ""),
+                            None if key is None else tuple(key)))
     return Report(data["suite"], data.get("title", data["suite"]), dict(data.get("header", {})), tables,
                   intro=data.get("intro", ""), notes=list(data.get("notes", [])), figures=list(data.get("figures", [])),
                   appendix=data.get("appendix", ""))
@@ -210,8 +219,9 @@ def read_report(path: Path) -> Report:
 
 def merge_reports(old: Report, new: Report) -> Report:
     """``new`` folded into ``old``: per table, a row of ``new`` replaces the rows of ``old`` with the
-    same value in the table's first column (its key: the model, run or method), other rows of
-    ``old`` stay; tables only in ``old`` stay, in their place; notes and figures are the union; the
+    same values in the table's key columns (:attr:`Table.merge_key`; by default the first column:
+    the model, run or shape), other rows of ``old`` stay (none where the key is ``()``); tables
+    only in ``old`` stay, in their place; notes and figures are the union; the
     header is ``new``'s with ``parts`` listing every part (:data:`PART_KEYS`). Raises ``ValueError``
     for reports of two suites or devices."""
     for what, a, b in (("suite", old.suite, new.suite),
@@ -226,10 +236,10 @@ def merge_reports(old: Report, new: Report) -> Report:
             tables.append(t)
             continue
         n = fresh.pop(t.name)
-        key = n.columns[0].key
-        replaced = {r.get(key) for r in n.rows}
-        kept = [r for r in t.rows if r.get(key) not in replaced]
-        tables.append(Table(n.name, n.title, n.columns, kept + n.rows, n.note))
+        keys = n.key_columns()
+        replaced = {tuple(r.get(k) for k in keys) for r in n.rows}
+        kept = [r for r in t.rows if keys and tuple(r.get(k) for k in keys) not in replaced]
+        tables.append(Table(n.name, n.title, n.columns, kept + n.rows, n.note, n.merge_key))
     tables += fresh.values()
     parts = old.header.get("parts") or [{k: old.header.get(k) for k in PART_KEYS}]
     header = {**new.header, "parts": [*parts, {k: new.header.get(k) for k in PART_KEYS}]}

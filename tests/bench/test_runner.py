@@ -137,3 +137,18 @@ def test_the_cli_merges_parts_into_one_report(tmp_path: Path) -> None:
     assert sorted({r["shape"] for r in report.table("steps").rows}) == ["2x4x4x1", "2x4x4x2"]
     assert len(report.header["parts"]) == 2
     assert "--shapes 2x4x4x2" in report.header["parts"][1]["command"]
+
+
+def test_a_table_keyed_by_nothing_is_replaced_whole_and_a_key_of_two_columns_by_row(tmp_path: Path) -> None:
+    def part(rows: list[dict], key) -> Report:
+        columns = [Column("method", "method"), Column("J", "J", "int"), Column("x", "x", ".1f")]
+        return Report("petra", "P", {"device_label": "cpu"}, [Table("t", "T", columns, rows, merge_key=key)])
+
+    old = [{"method": "a", "J": 2, "x": 1.0}, {"method": "a", "J": 4, "x": 2.0}, {"method": "b", "J": 2, "x": 3.0}]
+    write_report(part(old, ("method", "J")), tmp_path / "p", json_too=True)
+    stored = read_report(tmp_path / "p.json")
+    assert stored.table("t").merge_key == ("method", "J")
+    by_row = merge_reports(stored, part([{"method": "a", "J": 4, "x": 9.0}], ("method", "J")))
+    assert [(r["method"], r["J"], r["x"]) for r in by_row.table("t").rows] == [("a", 2, 1.0), ("b", 2, 3.0), ("a", 4, 9.0)]
+    whole = merge_reports(stored, part([{"method": "c", "J": 2, "x": 5.0}], ()))
+    assert [r["method"] for r in whole.table("t").rows] == ["c"]
