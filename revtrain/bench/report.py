@@ -8,6 +8,10 @@ columns first) and, on request, ``<out>.json`` (the header and every table's row
 
 An interval is three keys in a row, ``name``, ``name_low`` and ``name_high``; a column of kind
 ``"interval"`` prints them as ``1.330 [1.260, 1.410]``.
+
+A suite too long for one sitting is run in parts (``--models``, ``--shapes``, ``--methods``) with
+``--merge``: :func:`merge_reports` folds each part into the report its ``.json`` holds, so the suite
+still has one report per machine, whose header lists every part's command, date and load.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ from typing import Any
 from revtrain.memory import format_bytes
 from revtrain.timing import MedianInterval
 
-__all__ = ["Column", "Table", "Report", "write_report", "render_markdown", "interval_cells", "HEADER_KEYS"]
+__all__ = ["Column", "Table", "Report", "write_report", "render_markdown", "interval_cells", "merge_reports",
+           "read_report", "HEADER_KEYS"]
 
 HEADER_KEYS = ("suite", "device", "hardware", "torch", "threads", "date", "command", "load_before",
                "load_after", "wall_s")
 """What every report's header holds (more keys may follow)."""
+PART_KEYS = ("command", "date", "wall_s", "load_before", "load_after", "commit")
+"""What a merged report's header keeps of each part (``header["parts"]``)."""
 
 _FORMATS: dict[str, Callable[[Any], str]] = {
     "bytes": lambda v: format_bytes(int(v)),
@@ -75,6 +82,13 @@ class Table:
     rows: list[dict[str, Any]] = field(default_factory=list)
     note: str = ""
     """What the table measures and how to read it (markdown, printed above the table)."""
+    merge_key: tuple[str, ...] | None = None
+    """The columns that name a row when a part is merged (:func:`merge_reports`): a new row replaces
+    the old rows with the same values there. None: the first column; ``()``: the table is one
+    measurement, which a new part replaces whole."""
+
+    def key_columns(self) -> tuple[str, ...]:
+        return (self.columns[0].key,) if self.merge_key is None else tuple(self.merge_key)
 
     def markdown(self) -> str:
         lines = ["| " + " | ".join(c.heading for c in self.columns) + " |",
@@ -117,15 +131,24 @@ def render_markdown(report: Report) -> str:
     lines = [f"# {report.title}", ""]
     if report.intro:
         lines += [report.intro, ""]
-    lines += [
-        f"- command: `{h.get('command', '')}`",
-        f"- device: {h.get('device')} ({h.get('hardware')}), torch {h.get('torch')}, "
-        f"{h.get('threads')} thread(s), {h.get('cpu_count')} CPUs",
-        f"- date: {h.get('date')}; wall {h.get('wall_s', 0):.0f} s; load average before "
-        f"{h.get('load_before')}, after {h.get('load_after')}",
-    ]
-    if h.get("commit"):
-        lines.append(f"- revtrain at commit {h['commit']}")
+    parts = h.get("parts") or []
+    device = (f"- device: {h.get('device')} ({h.get('hardware')}), torch {h.get('torch')}, "
+              f"{h.get('threads')} thread(s), {h.get('cpu_count')} CPUs")
+    if len(parts) > 1:
+        lines += [f"- measured in {len(parts)} parts, merged (`--merge`):"]
+        lines += [f"  - `{p.get('command', '')}`: {p.get('date')}; wall {p.get('wall_s') or 0:.0f} s; load average "
+                  f"before {_load(p.get('load_before'))}, after {_load(p.get('load_after'))}"
+                  + (f"; commit {p['commit']}" if p.get("commit") else "") for p in parts]
+        lines.append(device)
+    else:
+        lines += [
+            f"- command: `{h.get('command', '')}`",
+            device,
+            f"- date: {h.get('date')}; wall {h.get('wall_s', 0):.0f} s; load average before "
+            f"{h.get('load_before')}, after {h.get('load_after')}",
+        ]
+        if h.get("commit"):
+            lines.append(f"- revtrain at commit {h['commit']}")
     lines += [f"- {n}" for n in report.notes]
     for t in report.tables:
         lines += ["", f"## {t.title}", ""]
@@ -137,6 +160,11 @@ def render_markdown(report: Report) -> str:
     if report.appendix:
         lines += ["", report.appendix]
     return "\n".join(lines) + "\n"
+
+
+def _load(value: Any) -> str:
+    """A load average as the single-part header prints it (a JSON round trip makes tuples lists)."""
+    return str(tuple(value)) if isinstance(value, list) else str(value)
 
 
 def _csv_rows(report: Report) -> tuple[list[str], list[dict[str, Any]]]:
@@ -162,8 +190,60 @@ def write_report(report: Report, out: Path, *, json_too: bool = False) -> list[P
     paths = [md, csv_path]
     if json_too:
         path = out.with_name(out.name + ".json")
-        payload = {"suite": report.suite, "header": report.header, "notes": report.notes,
-                   "tables": [{"name": t.name, "title": t.title, "rows": t.rows} for t in report.tables]}
+        payload = {"suite": report.suite, "title": report.title, "header": report.header, "intro": report.intro,
+                   "notes": report.notes, "figures": report.figures, "appendix": report.appendix,
+                   "tables": [{"name": t.name, "title": t.title, "note": t.note, "merge_key": t.key_columns(),
+                               "columns": [[c.key, c.heading, c.kind] for c in t.columns], "rows": t.rows}
+                              for t in report.tables]}
         path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
         paths.append(path)
     return paths
+
+
+def read_report(path: Path) -> Report:
+    """The report a ``--json`` run wrote to ``path`` (``<out>.json``); raises ``ValueError`` naming
+    the fix for a file written before tables kept their columns."""
+    data = json.loads(Path(path).read_text())
+    tables = []
+    for t in data.get("tables", []):
+        if "columns" not in t:
+            raise ValueError(f"{path} has no table columns (written by an older runner), so parts cannot be merged "
+                             "into it; run the whole suite once without --merge, or delete the file")
+        key = t.get("merge_key")
+        tables.append(Table(t["name"], t["title"], [Column(*c) for c in t["columns"]], list(t["rows"]), t.get("note", ""),
+                            None if key is None else tuple(key)))
+    return Report(data["suite"], data.get("title", data["suite"]), dict(data.get("header", {})), tables,
+                  intro=data.get("intro", ""), notes=list(data.get("notes", [])), figures=list(data.get("figures", [])),
+                  appendix=data.get("appendix", ""))
+
+
+def merge_reports(old: Report, new: Report) -> Report:
+    """``new`` folded into ``old``: per table, a row of ``new`` replaces the rows of ``old`` with the
+    same values in the table's key columns (:attr:`Table.merge_key`; by default the first column:
+    the model, run or shape), other rows of ``old`` stay (none where the key is ``()``); tables
+    only in ``old`` stay, in their place; notes and figures are the union; the
+    header is ``new``'s with ``parts`` listing every part (:data:`PART_KEYS`). Raises ``ValueError``
+    for reports of two suites or devices."""
+    for what, a, b in (("suite", old.suite, new.suite),
+                       ("device", old.header.get("device_label"), new.header.get("device_label"))):
+        if a != b:
+            raise ValueError(f"cannot merge a report of {what} {b!r} into one of {what} {a!r}; give --out a report "
+                             "of the same suite and device, or leave --merge out")
+    fresh = {t.name: t for t in new.tables}
+    tables = []
+    for t in old.tables:
+        if t.name not in fresh:
+            tables.append(t)
+            continue
+        n = fresh.pop(t.name)
+        keys = n.key_columns()
+        replaced = {tuple(r.get(k) for k in keys) for r in n.rows}
+        kept = [r for r in t.rows if keys and tuple(r.get(k) for k in keys) not in replaced]
+        tables.append(Table(n.name, n.title, n.columns, kept + n.rows, n.note, n.merge_key))
+    tables += fresh.values()
+    parts = old.header.get("parts") or [{k: old.header.get(k) for k in PART_KEYS}]
+    header = {**new.header, "parts": [*parts, {k: new.header.get(k) for k in PART_KEYS}]}
+    notes = list(dict.fromkeys([*old.notes, *new.notes]))
+    figures = list(dict.fromkeys([*old.figures, *new.figures]))
+    appendix = "\n\n".join(a for a in dict.fromkeys([old.appendix, new.appendix]) if a)
+    return Report(new.suite, new.title, header, tables, intro=new.intro, notes=notes, figures=figures, appendix=appendix)

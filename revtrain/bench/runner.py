@@ -4,7 +4,8 @@ Every suite is a module of :mod:`revtrain.bench.suites` with ``run(options, devi
 Report`` (and optionally ``report_suffix(options) -> str``, appended to the default report name
 when the options pick a part that has a report of its own); :data:`SUITES` says what each answers. The runner parses the shared options,
 times the run, fills the report's header (machine, device, torch version, date, command, load
-average before and after) and writes ``<out>.md`` and ``<out>.csv`` (:mod:`revtrain.bench.report`).
+average before and after) and writes ``<out>.md`` and ``<out>.csv`` (:mod:`revtrain.bench.report`);
+with ``--merge`` it folds the run into the report ``<out>.json`` holds (a suite run in parts).
 By default ``<out>`` is ``results/<suite>_<device>`` (``cpu``, ``cuda_h100``, ...); a ``--quick``
 run writes under ``results/tmp/`` so that it never replaces a full report.
 
@@ -12,6 +13,7 @@ run writes under ``results/tmp/`` so that it never replaces a full report.
     revtrain bench core                      # the full grid: methods x shapes
     revtrain bench zoo --models revnet38 revnet110
     revtrain bench core zoo                  # two suites, one after the other
+    revtrain bench planner --models revnet110 --merge   # one part of a long suite, into its report
     revtrain bench all --device cuda         # every suite, on a GPU
 """
 
@@ -34,7 +36,7 @@ import torch
 
 from revtrain.bench.machine import BUSY_LOAD_PER_CORE, machine_info
 from revtrain.core.checks import FIRST_CHECKS
-from revtrain.bench.report import Report, write_report
+from revtrain.bench.report import Report, merge_reports, read_report, write_report
 from revtrain.device import resolve_device
 
 __all__ = ["SUITES", "BenchOptions", "add_arguments", "device_label", "main", "run_suite", "suite_module"]
@@ -85,6 +87,10 @@ class BenchOptions:
     """Path of the report without suffix; default results/<suite>_<device> (results/tmp/... with --quick)."""
     json: bool = False
     """Also write <out>.json (header and every row)."""
+    merge: bool = False
+    """Fold this run into the report <out>.json holds (rows of the same model, run or method are
+    replaced, others kept; the header lists every part's command and load) and write it back with
+    its .json: how a suite too long for one sitting is run in parts (--models, --shapes, --methods)."""
 
     def warmup_steps(self) -> int:
         """``warmup`` when given, else 1 with ``--quick``, else ``FIRST_CHECKS + 1``."""
@@ -162,7 +168,11 @@ def run_suite(name: str, options: BenchOptions, *, command: str | None = None, l
     if device.type == "cpu" and loads and max(loads) - before["torch_threads"] > BUSY_LOAD_PER_CORE * cores:
         report.notes.append(f"the machine was busy (1-minute load average {loads}, the run's own threads "
                             f"{before['torch_threads']}, {cores} cores): read the ratios, not the times")
-    paths = write_report(report, out, json_too=options.json)
+    previous = out.with_name(out.name + ".json")
+    if options.merge and previous.exists():
+        report = merge_reports(read_report(previous), report)
+        log(f"merged into {previous}: {len(report.header['parts'])} parts")
+    paths = write_report(report, out, json_too=options.json or options.merge)
     log("wrote " + ", ".join(str(p) for p in paths))
     return report, paths
 
@@ -186,6 +196,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help=_doc("quick"))
     parser.add_argument("--out", default=None, help=_doc("out"))
     parser.add_argument("--json", action="store_true", help=_doc("json"))
+    parser.add_argument("--merge", action="store_true", help=_doc("merge"))
 
 
 def _doc(name: str) -> str:
@@ -213,7 +224,8 @@ def main(args: argparse.Namespace, *, prog: str = "revtrain bench", argv: Sequen
     """Run the suite(s) ``args`` names (parsed by a parser given :func:`add_arguments`)."""
     options = BenchOptions(device=args.device, models=tuple(args.models), shapes=tuple(args.shapes),
                            methods=tuple(args.methods), repeats=args.repeats, warmup=args.warmup,
-                           threads=args.threads, quick=args.quick, out=args.out, json=args.json)
+                           threads=args.threads, quick=args.quick, out=args.out, json=args.json,
+                           merge=args.merge)
     for name in ("repeats", "warmup"):
         value = getattr(options, name)
         if value is not None and value < (1 if name == "repeats" else 0):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from revtrain.bench import BenchOptions, Column, Report, Table, write_report
-from revtrain.bench.report import render_markdown
+from revtrain.bench.report import merge_reports, read_report, render_markdown
 from revtrain.bench.runner import SUITES, device_label, run_suite, suite_module
 from revtrain.cli import main as cli_main
 
@@ -89,3 +89,66 @@ def test_bad_options_are_refused_with_the_fix(argv, match, tmp_path: Path, monke
     monkeypatch.chdir(tmp_path)
     assert cli_main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+def _part(model: str, value: float, command: str, *, extra_table: bool = False, label: str = "cpu") -> Report:
+    rows = [{"model": model, "x": value}]
+    tables = [Table("t", "A table", [Column("model", "model"), Column("x", "x", ".1f")], rows, note="n")]
+    if extra_table:
+        tables.append(Table("u", "Another", [Column("k", "k", "int")], [{"k": 7}]))
+    header = {"device": "cpu", "device_label": label, "hardware": "x", "torch": "2", "threads": 1, "cpu_count": 2,
+              "date": f"date of {model}", "command": command, "load_before": (0.5, 0, 0), "load_after": (0.6, 0, 0),
+              "wall_s": 4.0}
+    return Report("planner", "Title", header, tables, notes=[f"note on {model}"], figures=[f"{model}.png"])
+
+
+def test_merge_replaces_rows_of_the_same_key_and_keeps_the_others(tmp_path: Path) -> None:
+    out = tmp_path / "planner_cpu"
+    write_report(_part("a", 1.0, "revtrain bench planner --models a", extra_table=True), out, json_too=True)
+    merged = merge_reports(read_report(out.with_name("planner_cpu.json")), _part("b", 2.0, "revtrain bench planner --models b"))
+    assert [(r["model"], r["x"]) for r in merged.table("t").rows] == [("a", 1.0), ("b", 2.0)]
+    assert merged.table("u").rows == [{"k": 7}]  # a table only the first part measured stays
+    write_report(merged, out, json_too=True)
+    again = merge_reports(read_report(out.with_name("planner_cpu.json")), _part("a", 3.0, "revtrain bench planner --models a"))
+    assert [(r["model"], r["x"]) for r in again.table("t").rows] == [("b", 2.0), ("a", 3.0)]
+    assert [p["command"] for p in again.header["parts"]] == [f"revtrain bench planner --models {m}" for m in "aba"]
+    assert again.notes == ["note on a", "note on b"] and again.figures == ["a.png", "b.png"]
+    text = render_markdown(again)
+    assert "- measured in 3 parts, merged (`--merge`):" in text
+    assert "  - `revtrain bench planner --models b`: date of b; wall 4 s; load average before (0.5, 0, 0)" in text
+    assert "| b | 2.0 |" in text and "| a | 3.0 |" in text and "| a | 1.0 |" not in text
+
+
+def test_merge_refuses_another_device_or_an_old_json(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="device 'cuda_h200' into one of device 'cpu'"):
+        merge_reports(_part("a", 1.0, "x"), _part("b", 1.0, "y", label="cuda_h200"))
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"suite": "planner", "header": {}, "tables": [{"name": "t", "title": "T", "rows": []}]}))
+    with pytest.raises(ValueError, match="run the whole suite once without --merge"):
+        read_report(old)
+
+
+def test_the_cli_merges_parts_into_one_report(tmp_path: Path) -> None:
+    out = tmp_path / "core_part"
+    for shape in ("2x4x4x1", "2x4x4x2"):
+        assert cli_main(["bench", "core", "--quick", "--shapes", shape, "--methods", "M", "--repeats", "2",
+                         "--warmup", "0", "--device", "cpu", "--out", str(out), "--merge"]) == 0
+    report = read_report(out.with_name("core_part.json"))
+    assert sorted({r["shape"] for r in report.table("steps").rows}) == ["2x4x4x1", "2x4x4x2"]
+    assert len(report.header["parts"]) == 2
+    assert "--shapes 2x4x4x2" in report.header["parts"][1]["command"]
+
+
+def test_a_table_keyed_by_nothing_is_replaced_whole_and_a_key_of_two_columns_by_row(tmp_path: Path) -> None:
+    def part(rows: list[dict], key) -> Report:
+        columns = [Column("method", "method"), Column("J", "J", "int"), Column("x", "x", ".1f")]
+        return Report("petra", "P", {"device_label": "cpu"}, [Table("t", "T", columns, rows, merge_key=key)])
+
+    old = [{"method": "a", "J": 2, "x": 1.0}, {"method": "a", "J": 4, "x": 2.0}, {"method": "b", "J": 2, "x": 3.0}]
+    write_report(part(old, ("method", "J")), tmp_path / "p", json_too=True)
+    stored = read_report(tmp_path / "p.json")
+    assert stored.table("t").merge_key == ("method", "J")
+    by_row = merge_reports(stored, part([{"method": "a", "J": 4, "x": 9.0}], ("method", "J")))
+    assert [(r["method"], r["J"], r["x"]) for r in by_row.table("t").rows] == [("a", 2, 1.0), ("b", 2, 3.0), ("a", 4, 9.0)]
+    whole = merge_reports(stored, part([{"method": "c", "J": 2, "x": 5.0}], ()))
+    assert [r["method"] for r in whole.table("t").rows] == ["c"]

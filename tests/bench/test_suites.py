@@ -132,6 +132,19 @@ def test_petra_rank_exit_alone(tmp_path: Path) -> None:
     assert [t.name for t in report.tables] == ["rank_exit"] and report.title.startswith("PETRA's ranks")
 
 
+@pytest.mark.slow
+def test_compile(tmp_path: Path) -> None:
+    """The --quick smoke run, for real: two fresh `revtrain train` processes, eager then compiled
+    (~45 s on 2 cores, nearly all of it inductor compiling the model)."""
+    eager, compiled = _run("compile", tmp_path).table("runs").rows
+    assert (eager["run"], compiled["run"]) == ("eager", "compiled")
+    for row in (eager, compiled):
+        assert all(row[k] is not None for k in ("process_wall_s", "epoch1_s", "later_epoch_s", "samples_per_s"))
+        assert 0 <= row["test_accuracy"] <= 1
+    assert math.isclose(compiled["gain"], eager["later_epoch_s"] / compiled["later_epoch_s"])
+    assert math.isclose(compiled["compile_s"], compiled["epoch1_s"] - compiled["later_epoch_s"])
+
+
 def test_compile_reads_the_gain_and_compilation_time_from_the_two_runs(tmp_path: Path, monkeypatch) -> None:
     """The suite's arithmetic on two runs' metrics (a real compiled run takes minutes on a CPU:
     tests/test_compilation.py checks that compiling works)."""

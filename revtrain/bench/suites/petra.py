@@ -70,7 +70,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
             note=(f"{model}, batch {args.batch_size}, {args.image_size}×{args.image_size}. PETRA's samples/s is the "
                   "steady state (every stage busy with one forward and one backward per tick); 'over an epoch' "
                   f"includes the pipeline's warm-up and drain. GPipe and 1F1B cut each batch into {args.microbatches} "
-                  "micro-batches and flush every step.")))
+                  "micro-batches and flush every step."), merge_key=()))
     if "memory" in parts:
         from revtrain.bench.suites.petra_table3 import table3
 
@@ -85,7 +85,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
             rows,
             note=("Per stage: parameters + the steady-state peak of its forwards and one backward (tensor bytes); "
                   "input buffer off = only non-reversible units keep inputs; parameter buffer off = rebuild with "
-                  "the current weights (PETRA).")))
+                  "the current weights (PETRA)."), merge_key=()))
     if "rank-exit" in parts:
         from revtrain.bench.suites.petra_rank_exit import rank_exit_table
 
@@ -131,11 +131,11 @@ def accuracy_tables(model: str, options, log) -> list[Table]:
         [Column("run", "run"), Column("command", "command"), Column("test_accuracy", "final test acc.", ".2%"),
          Column("vs_backprop", "vs backprop", "+.2%"), Column("best_test_accuracy", "best", ".2%"),
          Column("train_loss", "final train loss", ".4f"), Column("wall_s", "wall", "s")],
-        rows, note=f"{model} on the digits, {epochs} epoch(s), batch 64, PETRA's recipe (`revtrain train`'s defaults).")
+        rows, note=f"{model} on the digits, {epochs} epoch(s), batch 64, PETRA's recipe (`revtrain train`'s defaults).", merge_key=())
     memory = Table(
         "stages", "What each stage keeps",
         [Column("run", "run"), Column("stage", "stage", "int"), Column("first_unit", "first unit"),
          Column("last_unit", "last unit"), Column("reversible", "reversible"), Column("param_bytes", "parameters", "bytes"),
          Column("optimizer_bytes", "optimizer state", "bytes"), Column("peak_buffer_bytes", "kept inputs at the peak", "bytes")],
-        stages, note="From each run's summary: a reversible stage keeps no inputs, a non-reversible one keeps its inputs.")
+        stages, note="From each run's summary: a reversible stage keeps no inputs, a non-reversible one keeps its inputs.", merge_key=())
     return [accuracy, memory]

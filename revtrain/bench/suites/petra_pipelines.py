@@ -282,18 +282,19 @@ def measure_throughput(args: SimpleNamespace, log: Callable[[str], None] = print
     torch.set_num_threads(1)
     try:
         configs = _configurations(args)
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _, _ in configs}
+        # By method and J: GPipe, 1F1B and the micro-batched PETRA runs have one name for every J.
+        runs: dict[tuple[str, int], list[dict[str, Any]]] = {(name, j): [] for name, j, _ in configs}
         for r in range(args.rounds):  # rounds with a rotating order: other load hits every method alike
             order = configs[r % len(configs):] + configs[: r % len(configs)]
             for name, j, run in order:
-                runs[name].append(run())
-                log(f"round {r + 1}: {name} J={j}: {runs[name][-1]['samples_per_s']:.1f} samples/s")
+                runs[name, j].append(run())
+                log(f"round {r + 1}: {name} J={j}: {runs[name, j][-1]['samples_per_s']:.1f} samples/s")
     finally:
         torch.set_num_threads(threads)
     rows = []
     for name, j, _ in configs:
-        best = max(runs[name], key=lambda row: row["samples_per_s"])
-        rows.append({"method": name, "J": j, **best, "rounds": [x["samples_per_s"] for x in runs[name]]})
+        best = max(runs[name, j], key=lambda row: row["samples_per_s"])
+        rows.append({"method": name, "J": j, **best, "rounds": [x["samples_per_s"] for x in runs[name, j]]})
     plain = next((row for row in rows if row["method"] == "plain backprop"), None)
     for row in rows:
         if plain:
