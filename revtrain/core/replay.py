@@ -52,8 +52,8 @@ class RngState:
     @classmethod
     def around(cls, device: torch.device, fn: Any, *args: Any) -> tuple[Any, RngState | None]:
         """``fn(*args)`` and the generator state it started from, or None when it drew no
-        random numbers (a rebuild then has nothing to replay: 5% of a small M-mode step went
-        to replaying generators for functions without randomness)."""
+        random numbers (a rebuild then has nothing to replay, and replaying generators for a
+        function without randomness is a measurable part of a small M-mode step)."""
         before = cls.capture(device)
         out = fn(*args)
         return out, None if before.same_as(cls.capture(device)) else before

@@ -37,9 +37,8 @@ def busy_cpu_note(device: torch.device) -> str | None:
     """A hint when other processes compete for the cores this run's OpenMP threads need.
 
     OpenMP threads spin at every barrier while waiting for each other; when another process holds
-    one of the cores, each barrier waits for a time slice. Measured on a 2-core machine at load ~6:
-    a tiny RevNet-38 run took 19-28 s with 2 threads, 1.2-2 s with 1 thread or with
-    ``OMP_WAIT_POLICY=PASSIVE`` (which must be set before torch is imported).
+    one of the cores, each barrier waits for a time slice, and a small run can take ten times
+    longer. One thread, or ``OMP_WAIT_POLICY=PASSIVE`` (set before torch is imported), avoids it.
     """
     threads, cores = torch.get_num_threads(), os.cpu_count() or 1
     try:
