@@ -44,6 +44,21 @@ class StopSignals:
         if self.signum is not None:
             raise TrainingInterrupted(self.signum)
 
+    def check_agreed(self, agree: Callable[[int | None], int | None]) -> None:
+        """Raise :class:`TrainingInterrupted` if any process of the run requested a stop.
+
+        Args:
+            agree: The engine's ``agree_stop``: this process's request in, the run's out (the
+                same on every process, so that every process stops at this point or none does).
+
+        A signal that lands while the processes agree is kept for the next agreement: the
+        request read before the agreement is not written back over it.
+        """
+        signum = agree(self.signum)
+        if signum is not None:
+            self.signum = signum
+            raise TrainingInterrupted(signum)
+
     @contextmanager
     def installed(self) -> Iterator[None]:
         """Handle the signals inside the block (main thread only); the previous handlers come back after."""

@@ -419,8 +419,7 @@ class Trainer:
 
     def _check_stop(self) -> None:
         """Stop here if any process of the run was asked to (every process then stops at this point)."""
-        self._stop.signum = self.engine.agree_stop(self._stop.signum)
-        self._stop.check()
+        self._stop.check_agreed(self.engine.agree_stop)
 
     def _finish_epoch(self) -> None:
         epoch = self.progress.pending_eval

@@ -415,3 +415,29 @@ def test_run_files_get_the_same_permissions(tiny_config: TinyConfig, umask: int)
                           "curves.png"}
     assert set(modes.values()) == {0o666 & ~umask}, modes
     assert stat.S_IMODE(run.stat().st_mode) == 0o777 & ~umask
+
+
+def test_a_signal_that_lands_while_the_processes_agree_is_kept_for_the_next_agreement() -> None:
+    """The processes agree on a stop between steps (an all-reduce); a SIGTERM delivered during
+    that collective, after this process handed in "no request", must not be overwritten by the
+    run's answer "no stop": the request stands and the next agreement stops every process."""
+    from revtrain.train.interrupts import StopSignals
+
+    stop = StopSignals(log=lambda line: None)
+    handed_in: list[int | None] = []
+
+    def agree_while_the_signal_lands(signum: int | None) -> int | None:
+        handed_in.append(signum)
+        stop._request(signal.SIGTERM, None)  # the handler runs while the collective is under way
+        return None  # no process had asked when they agreed
+
+    stop.check_agreed(agree_while_the_signal_lands)  # no stop at this point, on any process
+    assert handed_in == [None] and stop.signum == signal.SIGTERM
+
+    def agree(signum: int | None) -> int | None:
+        handed_in.append(signum)
+        return signum
+
+    with pytest.raises(TrainingInterrupted) as stopped:
+        stop.check_agreed(agree)
+    assert stopped.value.signum == signal.SIGTERM and handed_in == [None, signal.SIGTERM]
