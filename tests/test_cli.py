@@ -104,18 +104,11 @@ def test_train_then_resume_with_more_epochs(capsys: pytest.CaptureFixture[str], 
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
 
 
-def test_train_resume_reads_the_checkpoint_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_resume_reads_the_checkpoint_once(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """`revtrain train --resume` learns the run's process layout and trains from one read of its checkpoint."""
     run = tmp_path / "run"
     assert main(["train", *TINY, "--epochs", "1", "--run-dir", str(run)]) == 0
-    reads: list[object] = []
-    real_load = torch.load
-
-    def counting_load(*args: object, **kwargs: object) -> object:
-        reads.append(args[0])
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", counting_load)
+    reads = request.getfixturevalue("checkpoint_reads")  # counting starts after the first run
     assert main(["train", "--resume", str(run), "--epochs", "2", "--no-memory-report", "--quiet"]) == 0
     assert reads == [run / "checkpoint.pt"]
     assert json.loads((run / "summary.json").read_text())["steps"] == 4

@@ -69,10 +69,7 @@ class FileStore:
                  full_state: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         self.trainer, self.full_state = trainer, full_state
         self.path = trainer.run_dir / CHECKPOINT_NAME
-        c = trainer.config
-        self.retention = CheckpointRetention(trainer.run_dir / CHECKPOINTS_FOLDER, c.keep_checkpoints,
-                                             f"test_{trainer.task.headline}", trainer.task.higher_is_better) \
-            if c.keep_checkpoints else None
+        self.retention = _retention(trainer)
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.trainer.run_dir)
@@ -94,6 +91,13 @@ class FileStore:
         return target
 
 
+def _retention(trainer: TrainerView) -> CheckpointRetention | None:
+    """The run's ``--keep-checkpoints`` rule over its checkpoints folder (None: keep only the latest)."""
+    n = trainer.config.keep_checkpoints
+    return CheckpointRetention(trainer.run_dir / CHECKPOINTS_FOLDER, n, f"test_{trainer.task.headline}",
+                               trainer.task.higher_is_better) if n else None
+
+
 class FolderStore:
     """One ``torch.distributed.checkpoint`` folder per saved step (module docstring)."""
 
@@ -104,11 +108,8 @@ class FolderStore:
         import torch.distributed.checkpoint.state_dict  # noqa: F401
 
         self.trainer = trainer
-        c = trainer.config
-        self.keep = c.keep_checkpoints or 0
-        self.rank = CheckpointRetention(trainer.run_dir / CHECKPOINTS_FOLDER, self.keep,
-                                        f"test_{trainer.task.headline}", trainer.task.higher_is_better) \
-            if self.keep else None
+        self.keep = trainer.config.keep_checkpoints or 0
+        self.rank = _retention(trainer)
 
     def latest(self) -> Path | None:
         return latest_checkpoint(self.trainer.run_dir)

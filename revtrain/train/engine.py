@@ -29,6 +29,7 @@ is the gradient of the whole step's mean loss. The trainer's loop never asks whi
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -87,7 +88,7 @@ class Engine(Protocol):
         """The stop request of any process (a signal number), so that every process stops at the same step."""
 
 
-class GradientEngine:
+class GradientEngine(ABC):
     """The step of engines that compute the whole model's gradients on every process: each
     micro-batch through :meth:`forward_backward`, then one optimizer update."""
 
@@ -111,6 +112,7 @@ class GradientEngine:
     def report(self, trainer: TrainerView) -> tuple[dict[str, Any], list[str]]:
         return {}, []
 
+    @abstractmethod
     def forward_backward(self, trainer: TrainerView, batch: Batch, total: int, *,
                          last: bool) -> tuple[torch.Tensor, dict[str, float]]:
         """One micro-batch of a step of ``total`` samples: forward, loss, backward.
@@ -125,7 +127,6 @@ class GradientEngine:
             This process's share of the step's mean loss (detached: ``b / total`` times its
             micro-batch's mean) and the task's sums over the part of the batch it ran.
         """
-        raise NotImplementedError
 
 
 class LocalEngine(GradientEngine):

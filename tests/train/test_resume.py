@@ -8,7 +8,6 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 from revtrain.train import TrainConfig, Trainer, load_checkpoint, resolve_run
 from revtrain.train.resume import ResumeConflictError
@@ -160,17 +159,10 @@ def test_resume_accepts_the_run_folder(tiny_config: TinyConfig) -> None:
     assert Trainer(config.replace(resume=config.run_dir)).step == 3
 
 
-def test_a_resume_reads_the_checkpoint_once(tiny_config: TinyConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_resume_reads_the_checkpoint_once(tiny_config: TinyConfig, request: pytest.FixtureRequest) -> None:
     config = tiny_config("once", epochs=1)
     Trainer(config).fit()
-    reads: list[object] = []
-    real_load = torch.load
-
-    def counting_load(*args: object, **kwargs: object) -> object:
-        reads.append(args[0])
-        return real_load(*args, **kwargs)
-
-    monkeypatch.setattr(torch, "load", counting_load)
+    reads = request.getfixturevalue("checkpoint_reads")  # counting starts after the first run
     trainer = Trainer(resolve_run({"resume": config.run_dir, "epochs": 2}))
     trainer.fit()
     assert reads == [Path(config.run_dir) / "checkpoint.pt"] and trainer.step == 6
