@@ -73,8 +73,10 @@ def measure_steps(
     """Measure training steps of ``setup``'s model in several mode settings so that they compare.
 
     The model starts from its prepared state (:meth:`MeasurementSetup.reset`). Each setting gets
-    ``warmup`` untimed steps; then the timed steps of the settings alternate in rounds (``M, C,
-    M, C, ...``), so a change in the machine's load hits each setting alike; then each setting
+    ``warmup`` untimed steps; then the timed steps of the settings alternate in rounds, the order
+    rotating each round (``M, C``, ``C, M``, ...), so a change in the machine's load hits each
+    setting alike and no setting always runs right after the same other one (a step is slower
+    right after one that freed much memory); then each setting
     gets one step under the memory tracker. One optimizer serves all settings (modes do not
     change the parameters).
 
@@ -120,9 +122,11 @@ def measure_steps(
     def stable() -> bool:
         return all(median_is_stable(t, setup.step_precision) for t in times.values())
 
+    order = list(settings.items())
     rounds = 0
     while rounds < high and (rounds < low or (low > 0 and not stable())):
-        for name, modes in settings.items():
+        shift = rounds % len(order)
+        for name, modes in order[shift:] + order[:shift]:
             use(modes)
             times[name].append(timed(step, dev))
         rounds += 1

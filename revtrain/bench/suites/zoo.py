@@ -2,8 +2,7 @@
 
 Whole SGD steps (forward, loss, backward, ``optimizer.step()``) with the planner's measuring
 function (:func:`revtrain.planner.measure_steps`): M- and C-mode steps of the same model alternate
-in rounds, then the same with the rebuild check off (``set_rebuild_checks(model, 0)``), then the
-plain twin on the same batch. Step memory is the planner's: the peak of one step, parameters,
+in rounds (the order rotating), then the plain twin on the same batch. Step memory is the planner's: the peak of one step, parameters,
 gradients and optimizer state included.
 
 For models with a :class:`~revtrain.ReversibleSequence` a phase split (C, M, M without the check and
@@ -107,12 +106,12 @@ def run(options, device: torch.device, out: Path, log) -> Report:
         "steps", "Whole SGD steps: M-mode, C-mode and the plain twin",
         [Column("model", "model"), Column("input", "input"), Column("batch", "batch", "int"),
          Column("M_step_s", "M step", "ms"), Column("C_step_s", "C step", "ms"),
-         Column("M_over_C", "M / C (paired median)", "ratio3"), Column("M_nocheck_over_C", "M / C, no check", "ratio3"),
+         Column("M_over_C", "M / C (paired median)", "ratio3"),
          Column("twin", "twin"), Column("twin_step_s", "twin step", "ms"), Column("M_over_twin", "M / twin", "ratio"),
          Column("M_peak_bytes", "M step memory", "bytes"), Column("C_peak_bytes", "C step memory", "bytes"),
          Column("twin_peak_bytes", "twin step memory", "bytes")],
         steps,
-        note=(f"Medians of whole SGD steps, M and C alternating in rounds ({repeats} at least, up to {2 * repeats} "
+        note=(f"Medians of whole SGD steps, M and C alternating in rounds (the order rotating) ({repeats} at least, up to {2 * repeats} "
               "until each median is known to 2%); M / C: median of the per-round ratios. Step memory: the peak of one step with "
               "parameters, gradients and optimizer state (the planner's step memory)."),
     )
@@ -149,9 +148,6 @@ def measure_case(name: str, shape: tuple[int, ...], batch: int, device: torch.de
     with prepare(model, example, loss_fn=loss, device=device, repeats=repeats, warmup=warmup,
                  max_repeats=2 * repeats) as setup:
         modes = measure_steps(setup, {"M": "M", "C": "C"})
-        set_rebuild_checks(model, 0)
-        unchecked = measure_steps(setup, {"M": "M", "C": "C"})
-        set_rebuild_checks(model, None)
         if any(isinstance(m, ReversibleSequence) for m in model.modules()):
             split = phase_times(setup, phase_rounds)
     twin_name = twin_of(name)
@@ -165,7 +161,7 @@ def measure_case(name: str, shape: tuple[int, ...], batch: int, device: torch.de
     row = {
         "model": name, "input": label, "batch": batch, "twin": twin_name,
         "M_step_s": m.step_time_s, "C_step_s": c.step_time_s, "twin_step_s": plain.step_time_s,
-        "M_over_C": _paired(m.times_s, c.times_s), "M_nocheck_over_C": _paired(unchecked["M"].times_s, unchecked["C"].times_s),
+        "M_over_C": _paired(m.times_s, c.times_s),
         "M_over_twin": m.step_time_s / plain.step_time_s, "C_over_twin": c.step_time_s / plain.step_time_s,
         "M_peak_bytes": m.peak_bytes, "C_peak_bytes": c.peak_bytes, "twin_peak_bytes": plain.peak_bytes,
         "rounds": len(m.times_s),
