@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -68,8 +68,7 @@ class _CouplingRecord:
     rng_g: RngState | None
 
 
-@dataclass(frozen=True)
-class _Roles:
+class _Roles(NamedTuple):
     """Who plays ``F`` and ``G`` with which coupling: the block itself, or its inverse (whose
     "F" is the block's ``G`` and whose coupling is the block's coupling inverted)."""
 
