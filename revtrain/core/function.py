@@ -28,7 +28,7 @@ from revtrain.core.overlap import reverse_overlapped, supports_overlap
 from revtrain.core.functional_call import ModuleTensors
 from revtrain.core.replay import AutocastState, no_running_stat_updates_of, stat_norms
 from revtrain.core.sharding import any_sharded, unsharded
-from revtrain.core.step import ReversibleStep, State, StepResult, add_grads, owner_module, submodules
+from revtrain.core.step import ReversibleStep, State, StepResult, add_grads, owner_module
 from revtrain.errors import ReconstructionError, ReversibilityError
 
 __all__ = ["run_reversible", "run_spec", "check_state"]
@@ -390,7 +390,7 @@ def run_spec(
     """The non-tensor first argument of ``_ReversibleRun.apply`` (the tensors follow: the
     state, the extra arguments' tensors, then every layer's ``step_params()``)."""
     # One walk per layer's module serves both hooks (this runs on every M-mode forward).
-    modules = [m for layer in layers if (owner := owner_module(layer)) is not None for m in submodules(owner)]
+    modules = [m for layer in layers if (owner := owner_module(layer)) is not None for m in owner.modules()]
     return _Run(
         layers=tuple(layers),
         join_dim=join_dim,

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.function import check_state, run_reversible
 from revtrain.core.replay import RngState
-from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads, submodules
+from revtrain.core.step import Grads, ReversibleStep, State, StepResult, autograd_grads
 
 __all__ = [
     "Invertible",
@@ -72,8 +72,7 @@ def normalize_mode(mode: str) -> Mode:
 
 def trainable_params(*modules: nn.Module) -> list[Tensor]:
     """The parameters of ``modules`` that require grad, each once, in module order."""
-    return list({id(p): p for module in modules for m in submodules(module) for p in m._parameters.values()
-                 if p is not None and p.requires_grad}.values())
+    return list({id(p): p for module in modules for p in module.parameters() if p.requires_grad}.values())
 
 
 def replay(state: RngState | None) -> contextlib.AbstractContextManager[None]:

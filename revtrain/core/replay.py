@@ -125,12 +125,10 @@ def no_running_stat_updates(*modules: nn.Module) -> Iterator[None]:
 def no_running_stat_updates_of(norms: Iterable[_NormBase]) -> Iterator[None]:
     """:func:`no_running_stat_updates` for norm layers already found."""
     norms = list(norms)
-    # object.__setattr__: a plain flag, without nn.Module.__setattr__'s lookups for parameters,
-    # buffers and submodules (this runs for every norm layer of every M-mode run).
     for m in norms:
-        object.__setattr__(m, "track_running_stats", False)
+        m.track_running_stats = False
     try:
         yield
     finally:
         for m in norms:
-            object.__setattr__(m, "track_running_stats", True)
+            m.track_running_stats = True

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
 from revtrain.core.replay import AutocastState, no_running_stat_updates
 
-__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module", "submodules", "add_grads"]
+__all__ = ["ReversibleStep", "StepResult", "State", "reverse_step", "autograd_grads", "owner_module", "add_grads"]
 
 State = tuple[Tensor, ...]
 """The tensors a reversible layer maps: ``(x1, x2)`` for coupling blocks, ``(x,)`` otherwise."""
@@ -96,23 +96,6 @@ def owner_module(layer: object) -> nn.Module | None:
         return layer
     module = getattr(layer, "module", None)
     return module if isinstance(module, nn.Module) else None
-
-
-def submodules(module: nn.Module) -> list[nn.Module]:
-    """``list(module.modules())`` (each module once, in the same order) without building the
-    dotted names that ``modules()`` makes for every submodule (M-mode walks its layers on
-    every forward)."""
-    found: dict[int, nn.Module] = {}
-
-    def visit(m: nn.Module) -> None:
-        if id(m) not in found:
-            found[id(m)] = m
-            for child in m._modules.values():
-                if child is not None:
-                    visit(child)
-
-    visit(module)
-    return list(found.values())
 
 
 def add_grads(a: Tensor | None, b: Tensor | None) -> Tensor | None:

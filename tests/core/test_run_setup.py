@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import revtrain.core.block as block_module
-from revtrain.core import AdditiveCoupling, Invertible, ReversibleBlock, ReversibleSequence, set_modes
+from revtrain.core import AdditiveCoupling, ReversibleBlock, ReversibleSequence, set_modes
 from revtrain.models import create_model
 
 from .helpers import assert_grads_close, grads, plain_twin
@@ -235,23 +235,3 @@ def test_the_zoo_transformer_captures_where_it_has_dropout(dropout):
     blocks = [m for m in model.modules() if isinstance(m, ReversibleBlock)]
     assert blocks and all(b.preserve_rng_state == (dropout > 0) for b in blocks)
 
-
-@pytest.mark.parametrize("name", ["revnet38", "resnext29_iabn", "revformer_tiny", "revvit_digits"])
-def test_the_runs_module_walk_is_torchs_modules_and_parameters(name):
-    """``submodules`` (the run's one walk per layer) finds what ``modules()`` finds, in its order,
-    and ``trainable_params`` what ``parameters()`` yields, tied and frozen parameters included."""
-    from revtrain.core.invertible import trainable_params
-    from revtrain.core.step import submodules
-
-    torch.manual_seed(0)
-    model = create_model(name)
-    first = next(m for m in model.modules() if isinstance(m, Invertible))
-    shared = nn.Linear(2, 2)
-    first.add_module("shared_a", shared)  # one module (and its parameters) reached twice: once
-    first.add_module("shared_b", shared)
-    frozen = next(first.parameters())
-    frozen.requires_grad_(False)
-    for module in (model, first, *model.children()):
-        assert [id(m) for m in submodules(module)] == [id(m) for m in module.modules()]
-        assert [id(p) for p in trainable_params(module)] == [id(p) for p in module.parameters() if p.requires_grad]
-    assert all(p is not frozen for p in trainable_params(model))
