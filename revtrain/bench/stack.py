@@ -15,7 +15,9 @@ is trained four ways in the same process, on the same batch:
 For each depth the methods are first checked against ``"plain"`` (every parameter gradient and
 the input gradient, float32 sanity level), so a broken path cannot be timed silently. Timing then
 interleaves the methods round-robin, rotating which goes first, so that load from other processes
-hits all of them alike; memory is measured in a separate pass because the CPU tracker slows ops.
+hits all of them alike, and each timed step follows an untimed step of the same method (the
+steady state of training with it: a step is faster or slower by what the step before it left
+in the allocator); memory is measured in a separate pass because the CPU tracker slows ops.
 
 Example:
     >>> rows = run_stack_benchmark(StackBenchConfig(depths=(4, 8), repeats=3))
@@ -365,9 +367,11 @@ def _time_round_robin(
     wall: dict[str, list[float]] = {m: [] for m in methods}
     cpu: dict[str, list[float]] = {m: [] for m in methods}
     for r in range(config.repeats):
-        # Round-robin, starting one method later each round, so no method always runs first.
+        # Round-robin, starting one method later each round, so no method always runs first;
+        # each timed step right after an untimed one of its own, as in training with it.
         for k in range(len(methods)):
             method = methods[(r + k) % len(methods)]
+            _timed_step(models[method], x, params, device)
             w, c = _timed_step(models[method], x, params, device)
             wall[method].append(w)
             cpu[method].append(c)

@@ -75,8 +75,9 @@ def measure_steps(
     The model starts from its prepared state (:meth:`MeasurementSetup.reset`). Each setting gets
     ``warmup`` untimed steps; then the timed steps of the settings alternate in rounds, the order
     rotating each round (``M, C``, ``C, M``, ...), so a change in the machine's load hits each
-    setting alike and no setting always runs right after the same other one (a step is slower
-    right after one that freed much memory); then each setting
+    setting alike; with more than one setting each timed step follows an untimed step of its
+    own setting, so it is timed in the steady state of training with that setting (a step is
+    faster or slower by what the step before it left in the allocator); then each setting
     gets one step under the memory tracker. One optimizer serves all settings (modes do not
     change the parameters).
 
@@ -128,6 +129,8 @@ def measure_steps(
         shift = rounds % len(order)
         for name, modes in order[shift:] + order[:shift]:
             use(modes)
+            if len(order) > 1:
+                step()  # settle: the timed step follows one of its own setting
             times[name].append(timed(step, dev))
         rounds += 1
 

@@ -4,8 +4,8 @@ RevTorch when installed) across shapes, from host-bound to large.
 
 Per shape the stack benchmark (:mod:`revtrain.bench.stack`) builds every method on one set of
 F/G weights, checks each method's gradients against plain autograd, times ``repeats`` rounds of
-one step per method (the order rotating) and measures one step's peak memory. Ratios are per
-round (both methods timed in the same round): a median with a distribution-free interval of at
+one step per method (the order rotating, each right after an untimed step of its own) and
+measures one step's peak memory. Ratios are per round (both methods timed in the same round): a median with a distribution-free interval of at
 least 95% (:func:`revtrain.timing.median_interval`), so a verdict is given only where the whole
 interval lies on one side of 1.
 """
@@ -98,7 +98,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
 
 _INTRO = (
     "Per shape, every method is built on one set of F/G weights, its gradients are checked against plain "
-    "autograd, then one step of each method is timed per round (the order rotating) and one step's peak memory "
+    "autograd, then one step of each method is timed per round (the order rotating, each right after an untimed step of the same method, as in training with it) and one step's peak memory "
     "is measured. Ratios are per round, both methods timed in the same round: a median with a distribution-free "
     "interval (`revtrain.timing.median_interval`), so a verdict is given only where the whole interval lies on "
     "one side of 1. Peer libraries are built on the very same F/G modules (`revtrain/bench/peers.py`)."

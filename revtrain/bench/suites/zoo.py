@@ -6,7 +6,8 @@ in rounds (the order rotating), then the plain twin on the same batch. Step memo
 gradients and optimizer state included.
 
 For models with a :class:`~revtrain.ReversibleSequence` a phase split (C, M, M without the check and
-a forward without a graph, one after the other in each round, the order rotating) gives the rebuild floors: ``1 +``
+a forward without a graph, one after the other in each round, the order rotating, each timed pass
+right after an untimed one of its own) gives the rebuild floors: ``1 +``
 one forward of the reversible blocks without / with a graph over C-mode's forward plus backward,
 what M / C would be if running those blocks once more were all M-mode added.
 """
@@ -111,7 +112,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
          Column("M_peak_bytes", "M step memory", "bytes"), Column("C_peak_bytes", "C step memory", "bytes"),
          Column("twin_peak_bytes", "twin step memory", "bytes")],
         steps,
-        note=(f"Medians of whole SGD steps, M and C alternating in rounds (the order rotating) ({repeats} at least, up to {2 * repeats} "
+        note=(f"Medians of whole SGD steps, M and C alternating in rounds (the order rotating, each timed step right after an untimed one of its own setting, as in training with it) ({repeats} at least, up to {2 * repeats} "
               "until each median is known to 2%); M / C: median of the per-round ratios. Step memory: the peak of one step with "
               "parameters, gradients and optimizer state (the planner's step memory)."),
     )
@@ -124,7 +125,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
          Column("M", "M / C", "ratio3"), Column("M_nocheck", "M / C, no check", "ratio3"),
          Column("floor", "rebuild floor, no graph", "ratio3"), Column("floor_graph", "with graph", "ratio3")],
         phases,
-        note=(f"Medians over {phase_rounds} rounds after one untimed, the settings one after the other in each round (the order rotating), "
+        note=(f"Medians over {phase_rounds} rounds after one untimed, the settings one after the other in each round (the order rotating, each timed pass right after an untimed one of its own setting), "
               "no optimizer step. Ratios are of forward plus backward to C-mode's; a floor is 1 + one forward of the "
               "reversible blocks (without / with a graph) over C-mode's forward plus backward."),
     )
@@ -187,7 +188,8 @@ PHASE_SETTINGS = (("C", "C", None), ("M", "M", None), ("M, no check", "M", 0))
 
 def phase_times(setup, rounds: int) -> dict[str, dict[str, float]]:
     """Median seconds of a step's parts in each of :data:`PHASE_SETTINGS`, one step of each
-    per round (the order rotating) after one untimed round, plus a forward without a graph (``"C, no graph"``):
+    per round (the order rotating, each right after an untimed one of its own) after one
+    untimed round, plus a forward without a graph (``"C, no graph"``):
     ``forward_s`` (with the loss), ``backward_s`` and ``blocks_s``, the part of the forward
     spent in the reversible blocks (hooks around each top-level ``ReversibleSequence``). In
     C-mode that is one forward of the blocks with a graph, what M-mode's backward runs again to
@@ -217,27 +219,17 @@ def phase_times(setup, rounds: int) -> dict[str, dict[str, float]]:
     model.train()
     try:
         for r in range(rounds + 1):
-            # Rotated each round: whichever setting runs right after C-mode's step is timed slower,
-            # which a fixed order charged to "M" alone (results/zoo_cpu.md).
+            # Rotated each round, and each timed pass right after an untimed one of its own
+            # setting: a pass is faster or slower by what the pass before it left in the
+            # allocator, which a fixed order charged to whichever setting came after C-mode.
             for name, mode, every in settings[r % len(settings):] + settings[: r % len(settings)]:
                 set_modes(model, mode)
                 set_rebuild_checks(model, every)
-                model.zero_grad(set_to_none=True)
                 graph = name != "C, no graph"
-                spent[0] = 0.0
-                sync()
-                t0 = time.perf_counter()
-                with torch.set_grad_enabled(graph):
-                    loss = setup.loss()
-                sync()
-                t1 = time.perf_counter()
-                if graph:
-                    loss.backward()
-                    sync()
-                t2 = time.perf_counter() if graph else t1  # nothing to backpropagate
-                del loss
+                _timed_pass(setup, graph, sync, spent)
+                parts = _timed_pass(setup, graph, sync, spent)
                 if r:
-                    times[name].append((t1 - t0, t2 - t1, spent[0]))
+                    times[name].append(parts)
     finally:
         for h in handles:
             h.remove()
@@ -245,6 +237,24 @@ def phase_times(setup, rounds: int) -> dict[str, dict[str, float]]:
         setup.reset()
     return {name: {key: statistics.median(t[k] for t in parts) for k, key in enumerate(("forward_s", "backward_s", "blocks_s"))}
             for name, parts in times.items()}
+
+
+def _timed_pass(setup, graph: bool, sync, spent: list[float]) -> tuple[float, float, float]:
+    """Seconds of one forward (with the loss), its backward (0 without a graph) and the part of
+    the forward spent in the reversible blocks."""
+    setup.model.zero_grad(set_to_none=True)
+    spent[0] = 0.0
+    sync()
+    t0 = time.perf_counter()
+    with torch.set_grad_enabled(graph):
+        loss = setup.loss()
+    sync()
+    t1 = time.perf_counter()
+    if graph:
+        loss.backward()
+        sync()
+    t2 = time.perf_counter() if graph else t1  # nothing to backpropagate
+    return t1 - t0, t2 - t1, spent[0]
 
 
 def floors(phases: dict[str, dict[str, float]]) -> dict[str, float]:
