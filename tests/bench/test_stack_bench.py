@@ -100,3 +100,25 @@ def test_each_installed_peer_computes_our_function(peer):
                               repeats=1, warmup=0, device="cpu", measure_memory=False)
     rows = run_stack_benchmark(config)
     assert rows[1].method == peer and rows[1].grad_rel_err < 1e-5
+
+
+def test_each_timed_step_follows_a_step_of_its_own_method_and_the_order_rotates(monkeypatch):
+    # Timing order, counted: each timed step right after an untimed one of the same method (the
+    # steady state of training with it), the first method of a round one later each round.
+    import torch
+
+    import revtrain.bench.stack as stack
+
+    steps: list[str] = []
+    models = {name: torch.nn.Identity() for name in ("plain", "M", "C")}
+    names = {id(m): name for name, m in models.items()}
+
+    def counted(model, x, params, device):
+        steps.append(names[id(model)])
+        return 1.0, 1.0
+
+    monkeypatch.setattr(stack, "_timed_step", counted)
+    config = StackBenchConfig(batch=2, channels=4, size=4, depths=(1,), repeats=2, warmup=0, device="cpu")
+    wall, _ = stack._time_round_robin(models, torch.zeros(1), [], config, torch.device("cpu"))
+    assert steps == ["plain", "plain", "M", "M", "C", "C", "M", "M", "C", "C", "plain", "plain"]
+    assert all(len(times) == 2 for times in wall.values())

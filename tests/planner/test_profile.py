@@ -229,3 +229,27 @@ def test_whole_steps_are_timed_until_their_medians_are_stable(monkeypatch, noisy
         fixed = measure_steps(setup, {"M": "M"}, repeats=2)
     assert len(adaptive["M"].times_s) == len(adaptive["C"].times_s) == rounds
     assert len(fixed["M"].times_s) == 2
+
+
+def test_each_timed_step_follows_a_step_of_its_own_setting_and_the_order_rotates(monkeypatch):
+    # A step is faster or slower by what the step before it left in the allocator (on the CPU
+    # a step right after a C-mode step is slower): every timed step must follow an untimed step
+    # of its own setting, the steady state of training with it. Counted on the model's forwards.
+    import revtrain.planner.measure as measure_mod
+
+    model = tiny_model()
+    block = next(b for _, b in reversible_blocks(model))
+    forwards: list[str] = []
+    timed_at: list[int] = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(block.mode))
+
+    def counted(fn, device):
+        timed_at.append(len(forwards))
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(measure_mod, "timed", counted)
+    with prepare(model, tiny_batch(), repeats=3, max_repeats=3, warmup=1) as setup:
+        measure_steps(setup, {"M": "M", "C": "C"})
+    assert [forwards[i] for i in timed_at] == ["M", "C", "C", "M", "M", "C"]
+    assert all(forwards[i - 1] == forwards[i] for i in timed_at)

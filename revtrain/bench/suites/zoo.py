@@ -2,7 +2,8 @@
 
 Whole SGD steps (forward, loss, backward, ``optimizer.step()``) with the planner's measuring
 function (:func:`revtrain.planner.measure_steps`): M- and C-mode steps of the same model alternate
-in rounds (the order rotating), then the plain twin on the same batch. Step memory is the planner's: the peak of one step, parameters,
+in rounds (the order rotating, each timed step right after an untimed one of its own mode), then
+the plain twin on the same batch. Step memory is the planner's: the peak of one step, parameters,
 gradients and optimizer state included.
 
 For models with a :class:`~revtrain.ReversibleSequence` a phase split (C, M, M without the check and
