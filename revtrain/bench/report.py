@@ -221,9 +221,11 @@ def merge_reports(old: Report, new: Report) -> Report:
     """``new`` folded into ``old``: per table, a row of ``new`` replaces the rows of ``old`` with the
     same values in the table's key columns (:attr:`Table.merge_key`; by default the first column:
     the model, run or shape), other rows of ``old`` stay (none where the key is ``()``); tables
-    only in ``old`` stay, in their place; notes and figures are the union; the
-    header is ``new``'s with ``parts`` listing every part (:data:`PART_KEYS`). Raises ``ValueError``
-    for reports of two suites or devices."""
+    only in ``old`` stay, in their place; notes and figures are the union, less the notes of
+    ``old`` about a replaced key (those that start with ``"<key>: "``, as the suites write
+    per-model notes); the header is ``new``'s with ``parts`` listing every part
+    (:data:`PART_KEYS`). Where ``new`` replaces every row ``old`` held, the result is ``new``
+    alone. Raises ``ValueError`` for reports of two suites or devices."""
     for what, a, b in (("suite", old.suite, new.suite),
                        ("device", old.header.get("device_label"), new.header.get("device_label"))):
         if a != b:
@@ -231,19 +233,27 @@ def merge_reports(old: Report, new: Report) -> Report:
                              "of the same suite and device, or leave --merge out")
     fresh = {t.name: t for t in new.tables}
     tables = []
+    old_left = 0  # rows of old that stay
+    replaced_names: set[str] = set()  # first key values of replaced rows
     for t in old.tables:
         if t.name not in fresh:
             tables.append(t)
+            old_left += len(t.rows)
             continue
         n = fresh.pop(t.name)
         keys = n.key_columns()
         replaced = {tuple(r.get(k) for k in keys) for r in n.rows}
         kept = [r for r in t.rows if keys and tuple(r.get(k) for k in keys) not in replaced]
+        old_left += len(kept)
+        replaced_names |= {str(key[0]) for key in replaced if key}
         tables.append(Table(n.name, n.title, n.columns, kept + n.rows, n.note, n.merge_key))
+    if not old_left:
+        return new
     tables += fresh.values()
     parts = old.header.get("parts") or [{k: old.header.get(k) for k in PART_KEYS}]
     header = {**new.header, "parts": [*parts, {k: new.header.get(k) for k in PART_KEYS}]}
-    notes = list(dict.fromkeys([*old.notes, *new.notes]))
+    kept_notes = [n for n in old.notes if not any(n.startswith(f"{name}: ") for name in replaced_names)]
+    notes = list(dict.fromkeys([*kept_notes, *new.notes]))
     figures = list(dict.fromkeys([*old.figures, *new.figures]))
     appendix = "\n\n".join(a for a in dict.fromkeys([old.appendix, new.appendix]) if a)
     return Report(new.suite, new.title, header, tables, intro=new.intro, notes=notes, figures=figures, appendix=appendix)

@@ -152,3 +152,15 @@ def test_a_table_keyed_by_nothing_is_replaced_whole_and_a_key_of_two_columns_by_
     assert [(r["method"], r["J"], r["x"]) for r in by_row.table("t").rows] == [("a", 2, 1.0), ("b", 2, 3.0), ("a", 4, 9.0)]
     whole = merge_reports(stored, part([{"method": "c", "J": 2, "x": 5.0}], ()))
     assert [r["method"] for r in whole.table("t").rows] == ["c"]
+
+
+def test_a_replaced_models_notes_go_with_its_rows_and_a_complete_remeasurement_stands_alone() -> None:
+    old = merge_reports(_part("a", 1.0, "x"), _part("b", 2.0, "y"))
+    old.notes += ["a: an old finding on a", "b: an old finding on b"]
+    again = merge_reports(old, _part("a", 3.0, "z"))
+    assert "a: an old finding on a" not in again.notes  # its rows were measured again
+    assert "b: an old finding on b" in again.notes and "note on b" in again.notes
+    both = _part("a", 4.0, "w", extra_table=True)
+    both.tables[0].rows.append({"model": "b", "x": 5.0})
+    fresh = merge_reports(again, both)  # every row the report held, measured again
+    assert fresh is both and "parts" not in fresh.header
