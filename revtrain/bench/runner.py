@@ -171,7 +171,9 @@ def run_suite(name: str, options: BenchOptions, *, command: str | None = None, l
     previous = out.with_name(out.name + ".json")
     if options.merge and previous.exists():
         report = merge_reports(read_report(previous), report)
-        log(f"merged into {previous}: {len(report.header['parts'])} parts")
+        parts = report.header.get("parts")
+        log(f"merged into {previous}: {len(parts)} parts" if parts else
+            f"{previous}: every row it held was measured again; replaced whole")
     paths = write_report(report, out, json_too=options.json or options.merge)
     log("wrote " + ", ".join(str(p) for p in paths))
     return report, paths

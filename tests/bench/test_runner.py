@@ -137,6 +137,11 @@ def test_the_cli_merges_parts_into_one_report(tmp_path: Path) -> None:
     assert sorted({r["shape"] for r in report.table("steps").rows}) == ["2x4x4x1", "2x4x4x2"]
     assert len(report.header["parts"]) == 2
     assert "--shapes 2x4x4x2" in report.header["parts"][1]["command"]
+    # Both shapes measured again in one part: the report is that part alone.
+    assert cli_main(["bench", "core", "--quick", "--shapes", "2x4x4x1", "2x4x4x2", "--methods", "M", "--repeats", "2",
+                     "--warmup", "0", "--device", "cpu", "--out", str(out), "--merge"]) == 0
+    again = read_report(out.with_name("core_part.json"))
+    assert "parts" not in again.header and "--shapes 2x4x4x1 2x4x4x2" in again.header["command"]
 
 
 def test_a_table_keyed_by_nothing_is_replaced_whole_and_a_key_of_two_columns_by_row(tmp_path: Path) -> None:
