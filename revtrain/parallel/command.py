@@ -36,14 +36,14 @@ _COLLECTIVE_TIMEOUT_S = 1800.0
 than a tick's wait for a neighbour (``--timeout``)."""
 
 
-def run_parallel(argv: Sequence[str], given: dict[str, Any], resolved: Any = None) -> int | None:
+def run_parallel(argv: Sequence[str], given: dict[str, Any], resolved: Any) -> int | None:
     """Run ``revtrain train`` on several processes if its options ask for it; None otherwise.
 
     Args:
         argv: The command line (``train ...``): what every local rank runs.
         given: The :class:`~revtrain.train.TrainConfig` options given.
-        resolved: The resumed run when the caller resolved it already (``--resume``); resolved
-            here otherwise.
+        resolved: The resumed run (``--resume``, resolved by the caller, so that its checkpoint
+            is read once); None for a new run.
 
     Returns:
         The exit status (1: a process failed, the message is printed; 128 + a signal that
@@ -54,11 +54,7 @@ def run_parallel(argv: Sequence[str], given: dict[str, Any], resolved: Any = Non
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else 1
     config = TrainConfig(**given)  # every engine validates the run's options as one process does
-    if given.get("resume") is not None:  # a resumed run keeps its stages and split: its layout is the run's
-        if resolved is None:
-            from revtrain.train.resume import resolve_run
-
-            resolved = resolve_run(dict(given))
+    if resolved is not None:  # a resumed run keeps its stages and split: its layout is the run's
         config = resolved.config
     n = config.data_parallel
     if n is None and (config.stages is None or config.engine == "simulator"):

@@ -6,8 +6,8 @@ Per shape the stack benchmark (:mod:`revtrain.bench.stack`) builds every method 
 F/G weights, checks each method's gradients against plain autograd, times ``repeats`` rounds of
 one step per method (the order rotating, each right after an untimed step of its own) and
 measures one step's peak memory. Ratios are per round (both methods timed in the same round): a
-median with a distribution-free interval of at least 95% (:func:`revtrain.timing.median_interval`), so a verdict is given only where the whole
-interval lies on one side of 1.
+median with a distribution-free interval of at least 95% (:func:`revtrain.timing.median_interval`),
+so a verdict is given only where the whole interval lies on one side of 1.
 """
 
 from __future__ import annotations
