@@ -29,31 +29,33 @@ __all__ = ["RngState", "AutocastState", "autocast_device_type", "no_running_stat
 
 @dataclass(slots=True)
 class RngState:
-    """The CPU generator state and, where used, the CUDA generator state of one device."""
+    """The CPU generator's state and, for a CUDA device, its generator's seed and offset.
+
+    A CUDA generator (Philox) is fully described by two integers, read and compared without
+    making a tensor; the CPU generator (Mersenne Twister) by its whole state tensor.
+    """
 
     cpu: Tensor
-    cuda_device: int | None
-    cuda: Tensor | None
+    cuda: torch.Generator | None = None
+    cuda_seed_offset: tuple[int, int] | None = None
 
     @classmethod
     def capture(cls, device: torch.device) -> RngState:
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
-            return cls(torch.default_generator.get_state(), index, torch.cuda.get_rng_state(index))
-        return cls(torch.default_generator.get_state(), None, None)
+            gen = torch.cuda.default_generators[index]
+            return cls(torch.default_generator.get_state(), gen, (gen.initial_seed(), gen.get_offset()))
+        return cls(torch.default_generator.get_state())
 
     def same_as(self, other: RngState) -> bool:
         """Whether the generators are in the same state (nothing drew random numbers between
         the two captures)."""
-        if not torch.equal(self.cpu, other.cpu):
-            return False
-        return self.cuda is None or (other.cuda is not None and torch.equal(self.cuda, other.cuda))
+        return self.cuda_seed_offset == other.cuda_seed_offset and torch.equal(self.cpu, other.cpu)
 
     @classmethod
     def around(cls, device: torch.device, fn: Any, *args: Any) -> tuple[Any, RngState | None]:
         """``fn(*args)`` and the generator state it started from, or None when it drew no
-        random numbers (a rebuild then has nothing to replay, and replaying generators for a
-        function without randomness is a measurable part of a small M-mode step)."""
+        random numbers (a rebuild then has nothing to replay)."""
         before = cls.capture(device)
         out = fn(*args)
         return out, None if before.same_as(cls.capture(device)) else before
@@ -62,16 +64,23 @@ class RngState:
     def replay(self) -> Iterator[None]:
         """Run the body with the captured generators; restore the current ones afterwards."""
         cpu_now = torch.get_rng_state()
-        cuda_now = torch.cuda.get_rng_state(self.cuda_device) if self.cuda is not None else None
+        gen = self.cuda
+        cuda_now = (gen.initial_seed(), gen.get_offset()) if gen is not None else None
         torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.cuda_device)
+        if gen is not None:
+            _set_seed_offset(gen, self.cuda_seed_offset)
         try:
             yield
         finally:
             torch.set_rng_state(cpu_now)
-            if cuda_now is not None:
-                torch.cuda.set_rng_state(cuda_now, self.cuda_device)
+            if gen is not None:
+                _set_seed_offset(gen, cuda_now)
+
+
+def _set_seed_offset(gen: torch.Generator, seed_offset: Any) -> None:
+    """What ``gen.set_state`` does with a Philox state: the seed, then the offset."""
+    gen.manual_seed(seed_offset[0])
+    gen.set_offset(seed_offset[1])
 
 
 def autocast_device_type(device_type: str) -> str:

@@ -22,7 +22,8 @@ def _step_with_seed(model, x, seed):
     torch.manual_seed(seed)
     x = x.clone().requires_grad_(True)
     model(x).square().sum().backward()
-    return x.grad, torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
+    return x.grad, (torch.get_rng_state(), cuda)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -37,8 +38,10 @@ def test_dropout_replays_exactly(device):
     gx_ref, rng_after_ref = _step_with_seed(twin, x, seed=123)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-10, atol=1e-12)
     assert_grads_close(grads(model), grads(twin), 1e-10)
-    # The rebuild borrows the generator and gives it back: the step consumes the same numbers.
-    assert torch.equal(rng_after, rng_after_ref)
+    # The rebuild borrows the generators and gives them back: the step consumes the same numbers.
+    assert torch.equal(rng_after[0], rng_after_ref[0])
+    if device == "cuda":
+        assert torch.equal(rng_after[1], rng_after_ref[1])
 
 
 def test_dropout_without_replay_is_caught_as_drift():
@@ -123,6 +126,29 @@ def test_dropout_and_batchnorm_match_plain_autograd_over_steps_and_modes():
             torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.gpu
+def test_a_cuda_generator_is_captured_as_its_seed_and_offset():
+    """On CUDA the capture reads the Philox generator's seed and offset (what its state tensor
+    holds); a draw moves it, and a replay draws the same numbers, then leaves the generator
+    where it found it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from revtrain.core.replay import RngState
+
+    cuda = torch.device("cuda")
+    torch.cuda.manual_seed(3)
+    a = RngState.capture(cuda)
+    assert a.same_as(RngState.capture(cuda))
+    assert a.cuda_seed_offset == tuple(torch.cuda.get_rng_state(cuda).view(torch.int64).tolist())
+    want = torch.rand(5, device=cuda)
+    assert not a.same_as(RngState.capture(cuda))
+    now = torch.cuda.get_rng_state(cuda)
+    with a.replay():
+        got = torch.rand(5, device=cuda)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.cuda.get_rng_state(cuda), now)
+
+
 def test_generator_states_compare_by_every_byte():
     """The forward's test for "F drew random numbers" (``RngState.same_as``): equal states are
     equal, a state after one draw is not, and a difference in the first or the last byte alone
@@ -137,5 +163,5 @@ def test_generator_states_compare_by_every_byte():
     for index in (0, -1):
         changed = a.cpu.clone()
         changed[index] ^= 1
-        assert not a.same_as(RngState(changed, None, None))
-        assert a.same_as(RngState(a.cpu.clone(), None, None))
+        assert not a.same_as(RngState(changed))
+        assert a.same_as(RngState(a.cpu.clone()))
