@@ -119,13 +119,19 @@ def device_label(info: dict) -> str:
     return "cuda_" + (words[0] if words else re.sub(r"\W+", "_", info["gpu"].lower()).strip("_"))
 
 
-def _commit() -> str | None:
+def _commit(here: Path = Path(__file__).resolve().parent) -> str | None:
+    """The commit of the checkout holding ``here``, marked when tracked files differ from it (a
+    report of a tree no commit holds must not read as that commit's); None outside a checkout."""
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, cwd=here)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, timeout=30, cwd=here)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return done.stdout.strip() or None
+    commit = head.stdout.strip()
+    if not commit:
+        return None
+    return f"{commit} with uncommitted changes" if changed.returncode == 0 and changed.stdout.strip() else commit
 
 
 def run_suite(name: str, options: BenchOptions, *, command: str | None = None, log: Log = print) -> tuple[Report, list[Path]]:

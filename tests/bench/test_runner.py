@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from revtrain.bench import BenchOptions, Column, Report, Table, write_report
 from revtrain.bench.report import merge_reports, read_report, render_markdown
-from revtrain.bench.runner import SUITES, device_label, run_suite, suite_module
+from revtrain.bench.runner import SUITES, _commit, device_label, run_suite, suite_module
 from revtrain.cli import main as cli_main
 
 
@@ -48,6 +49,20 @@ def test_device_labels_name_the_gpu() -> None:
     assert device_label({"cpu": "AMD EPYC"}) == "cpu"
     assert device_label({"gpu": "NVIDIA H100 80GB HBM3"}) == "cuda_h100"
     assert device_label({"gpu": "NVIDIA A100-SXM4-40GB"}) == "cuda_a100"
+
+
+def test_a_report_names_its_commit_and_says_when_the_tree_differs_from_it(tmp_path: Path) -> None:
+    assert _commit(tmp_path) is None  # not a checkout
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f.py").write_text("a = 1\n")
+    subprocess.run([*git, "add", "f.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    (tmp_path / "new_untracked.py").write_text("")
+    assert _commit(tmp_path) == head  # untracked files are not part of the measured tree's code
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert _commit(tmp_path) == f"{head} with uncommitted changes"
 
 
 def test_every_suite_is_a_module_with_run() -> None:
