@@ -149,6 +149,8 @@ def render_markdown(report: Report) -> str:
         ]
         if h.get("commit"):
             lines.append(f"- revtrain at commit {h['commit']}")
+    if h.get("env"):  # settings that change timings (threads, the allocator), as the run had them
+        lines.append("- environment: " + ", ".join(f"`{k}={v}`" for k, v in sorted(h["env"].items())))
     lines += [f"- {n}" for n in report.notes]
     for t in report.tables:
         lines += ["", f"## {t.title}", ""]

@@ -32,6 +32,10 @@ def test_markdown_has_the_header_and_every_table() -> None:
     for piece in ("command: `revtrain bench core`", "load average before (0.1, 0, 0)", "- a note", "## A table",
                   "How to read it.", "| 8x16 | 1.250 [1.100, 1.400] | 1.00 MiB | – |", "## Another", "| 3 |"):
         assert piece in text, piece
+    assert "environment" not in text  # nothing set that changes timings
+    report = _report()
+    report.header["env"] = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1", "OMP_NUM_THREADS": "1"}
+    assert "- environment: `GLIBC_TUNABLES=glibc.malloc.trim_threshold=1`, `OMP_NUM_THREADS=1`" in render_markdown(report)
 
 
 def test_csv_holds_every_row_of_every_table_and_json_the_header(tmp_path: Path) -> None:
