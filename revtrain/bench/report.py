@@ -33,7 +33,7 @@ __all__ = ["Column", "Table", "Report", "write_report", "render_markdown", "inte
 HEADER_KEYS = ("suite", "device", "hardware", "torch", "threads", "date", "command", "load_before",
                "load_after", "wall_s")
 """What every report's header holds (more keys may follow)."""
-PART_KEYS = ("command", "date", "wall_s", "load_before", "load_after", "commit")
+PART_KEYS = ("command", "date", "wall_s", "load_before", "load_after", "commit", "env")
 """What a merged report's header keeps of each part (``header["parts"]``)."""
 
 _FORMATS: dict[str, Callable[[Any], str]] = {
@@ -126,6 +126,10 @@ def interval_cells(key: str, interval: MedianInterval) -> dict[str, float]:
     return {key: interval.median, f"{key}_low": interval.low, f"{key}_high": interval.high}
 
 
+def _env(env: dict[str, str]) -> str:
+    return ", ".join(f"`{k}={v}`" for k, v in sorted(env.items()))
+
+
 def render_markdown(report: Report) -> str:
     h = report.header
     lines = [f"# {report.title}", ""]
@@ -138,7 +142,8 @@ def render_markdown(report: Report) -> str:
         lines += [f"- measured in {len(parts)} parts, merged (`--merge`):"]
         lines += [f"  - `{p.get('command', '')}`: {p.get('date')}; wall {p.get('wall_s') or 0:.0f} s; load average "
                   f"before {_load(p.get('load_before'))}, after {_load(p.get('load_after'))}"
-                  + (f"; commit {p['commit']}" if p.get("commit") else "") for p in parts]
+                  + (f"; commit {p['commit']}" if p.get("commit") else "")
+                  + (f"; environment {_env(p['env'])}" if p.get("env") else "") for p in parts]
         lines.append(device)
     else:
         lines += [
@@ -149,8 +154,8 @@ def render_markdown(report: Report) -> str:
         ]
         if h.get("commit"):
             lines.append(f"- revtrain at commit {h['commit']}")
-    if h.get("env"):  # settings that change timings (threads, the allocator), as the run had them
-        lines.append("- environment: " + ", ".join(f"`{k}={v}`" for k, v in sorted(h["env"].items())))
+        if h.get("env"):  # settings that change timings (threads, the allocator), as the run had them
+            lines.append(f"- environment: {_env(h['env'])}")
     lines += [f"- {n}" for n in report.notes]
     for t in report.tables:
         lines += ["", f"## {t.title}", ""]

@@ -120,18 +120,24 @@ def device_label(info: dict) -> str:
 
 
 def _commit(here: Path = Path(__file__).resolve().parent) -> str | None:
-    """The commit of the checkout holding ``here``, marked when tracked files differ from it (a
-    report of a tree no commit holds must not read as that commit's); None outside a checkout."""
+    """The commit of the checkout holding ``here``, marked when tracked files under ``here`` (the
+    package: the measured code, not results or docs) differ from it, so a report of a tree no
+    commit holds does not read as that commit's; None outside a checkout."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10, cwd=here)
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                 text=True, timeout=30, cwd=here)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    commit = head.stdout.strip()
+    commit = head.stdout.strip() if head.returncode == 0 else ""
     if not commit:
         return None
-    return f"{commit} with uncommitted changes" if changed.returncode == 0 and changed.stdout.strip() else commit
+    try:
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+                                 capture_output=True, text=True, timeout=30, cwd=here)
+    except (OSError, subprocess.TimeoutExpired):
+        return f"{commit} (uncommitted changes not known)"
+    if changed.returncode != 0:
+        return f"{commit} (uncommitted changes not known)"
+    return f"{commit} with uncommitted changes" if changed.stdout.strip() else commit
 
 
 def run_suite(name: str, options: BenchOptions, *, command: str | None = None, log: Log = print) -> tuple[Report, list[Path]]:

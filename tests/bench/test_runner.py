@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -55,18 +56,25 @@ def test_device_labels_name_the_gpu() -> None:
     assert device_label({"gpu": "NVIDIA A100-SXM4-40GB"}) == "cuda_a100"
 
 
-def test_a_report_names_its_commit_and_says_when_the_tree_differs_from_it(tmp_path: Path) -> None:
+def test_a_report_names_its_commit_and_says_when_the_code_differs_from_it(tmp_path: Path, monkeypatch) -> None:
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above tmp_path counts
     assert _commit(tmp_path) is None  # not a checkout
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false", "-C", str(tmp_path)]
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "f.py").write_text("a = 1\n")
+    (tmp_path / "results.md").write_text("old\n")
     subprocess.run([*git, "init", "-q"], check=True)
-    (tmp_path / "f.py").write_text("a = 1\n")
-    subprocess.run([*git, "add", "f.py"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
     subprocess.run([*git, "commit", "-qm", "one"], check=True)
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
-    (tmp_path / "new_untracked.py").write_text("")
-    assert _commit(tmp_path) == head  # untracked files are not part of the measured tree's code
-    (tmp_path / "f.py").write_text("a = 2\n")
-    assert _commit(tmp_path) == f"{head} with uncommitted changes"
+    (package / "new_untracked.py").write_text("")
+    (tmp_path / "results.md").write_text("new\n")  # a report written by the run itself
+    assert _commit(package) == head  # untracked files and files outside the package are not the measured code
+    (package / "f.py").write_text("a = 2\n")
+    assert _commit(package) == f"{head} with uncommitted changes"
 
 
 def test_every_suite_is_a_module_with_run() -> None:
@@ -136,6 +144,17 @@ def test_merge_replaces_rows_of_the_same_key_and_keeps_the_others(tmp_path: Path
     assert "- measured in 3 parts, merged (`--merge`):" in text
     assert "  - `revtrain bench planner --models b`: date of b; wall 4 s; load average before (0.5, 0, 0)" in text
     assert "| b | 2.0 |" in text and "| a | 3.0 |" in text and "| a | 1.0 |" not in text
+
+
+def test_a_merged_report_names_each_parts_environment() -> None:
+    first, second = _part("a", 1.0, "revtrain bench planner --models a"), _part("b", 2.0, "revtrain bench planner --models b")
+    second.header["env"] = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"}
+    lines = render_markdown(merge_reports(first, second)).splitlines()
+    part_a = next(line for line in lines if "--models a`" in line)
+    part_b = next(line for line in lines if "--models b`" in line)
+    assert "environment" not in part_a
+    assert part_b.endswith("; environment `GLIBC_TUNABLES=glibc.malloc.trim_threshold=1`")
+    assert not any(line.startswith("- environment") for line in lines)  # not as if every part had it
 
 
 def test_merge_refuses_another_device_or_an_old_json(tmp_path: Path) -> None:
