@@ -7,6 +7,8 @@ CI runs on); one model is compiled once for the module, ~15 s on 2 cores.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -71,7 +73,15 @@ def test_a_deep_copy_of_a_compiled_model_trains_its_own_parameters(compiled):
     assert all(p.grad is not None for p in replica.parameters())
 
 
-def test_torch_compile_of_a_zoo_model_in_a_users_loop_matches_eager_without_recompile_warnings():
+def test_importing_revtrain_leaves_dynamo_unimported():
+    """Eager training never loads Dynamo (about a second of each process's start): the core's
+    "not traced by torch.compile" mark is made at a run's first call, not at import."""
+    code = "import sys, revtrain, revtrain.cli; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_torch_compile_of_a_zoo_model_in_a_users_loop_matches_eager_without_recompile_warnings(monkeypatch):
     """``torch.compile(model)`` as a user writes it, on the zoo's RevNet-38 in M-mode: a short
     training loop recompiles nothing past dynamo's limit (M-mode runs are graph breaks that run
     eagerly) and its gradients equal eager mode's, step after step, in float64."""
@@ -80,6 +90,10 @@ def test_torch_compile_of_a_zoo_model_in_a_users_loop_matches_eager_without_reco
 
     from revtrain.models import create_model
 
+    import revtrain.core.function
+
+    # As in a fresh process: the first M-mode run of the session is the compiled model's.
+    monkeypatch.setattr(revtrain.core.function, "_DISABLED", {})
     torch.manual_seed(0)
     model = create_model("revnet38", in_channels=1, num_classes=10).double()
     eager = copy.deepcopy(model)

@@ -332,7 +332,24 @@ def _rebuild_input(node: Any) -> State:
 # -- the entry point ---------------------------------------------------------------------------
 
 
-@torch.compiler.disable
+def _not_traced_by_compile(fn: Any) -> Any:
+    """``torch.compiler.disable(fn)`` made at the first call, not at import (it loads Dynamo, about
+    a second of every process's start); a first call under ``torch.compile`` runs eagerly."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        disabled = _DISABLED.get(fn)
+        if disabled is None:
+            disabled = _DISABLED[fn] = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
+_DISABLED: dict[Any, Any] = {}
+
+
+@_not_traced_by_compile
 def run_reversible(
     layers: Sequence[ReversibleStep],
     xs: State,

@@ -29,11 +29,8 @@ __all__ = ["RngState", "AutocastState", "autocast_device_type", "no_running_stat
 
 @dataclass(slots=True)
 class RngState:
-    """The CPU generator's state and, for a CUDA device, its generator's seed and offset.
-
-    A CUDA generator (Philox) is fully described by two integers, read and compared without
-    making a tensor; the CPU generator (Mersenne Twister) by its whole state tensor.
-    """
+    """The CPU generator's state tensor and, for a CUDA device, its (Philox) generator's seed and
+    offset: two integers that are its whole state, read and compared without making a tensor."""
 
     cpu: Tensor
     cuda: torch.Generator | None = None
