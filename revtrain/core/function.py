@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -333,14 +334,16 @@ def _rebuild_input(node: Any) -> State:
 
 
 def _not_traced_by_compile(fn: Any) -> Any:
-    """``torch.compiler.disable(fn)`` made at the first call, not at import (it loads Dynamo, about
-    a second of every process's start); a first call under ``torch.compile`` runs eagerly."""
+    """``torch.compiler.disable(fn)``, made once Dynamo is loaded (by ``torch.compile``): loading it
+    costs about a second of each process's start, which eager training never needs."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         disabled = _DISABLED.get(fn)
         if disabled is None:
-            disabled = _DISABLED[fn] = torch.compiler.disable(fn)
+            if "torch._dynamo" not in sys.modules:  # nothing can be tracing this call
+                return fn(*args, **kwargs)
+            disabled = _DISABLED[fn] = torch.compiler.disable(fn)  # under a trace: a graph break
         return disabled(*args, **kwargs)
 
     return call
