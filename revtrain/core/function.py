@@ -334,8 +334,8 @@ def _rebuild_input(node: Any) -> State:
 
 
 def _not_traced_by_compile(fn: Any) -> Any:
-    """``torch.compiler.disable(fn)``, made once Dynamo is loaded (by ``torch.compile``): loading it
-    costs about a second of each process's start, which eager training never needs."""
+    """``torch.compiler.disable(fn)``, made once ``torch.compile`` has loaded Dynamo: loading it
+    slows every process's start (ranks, the command line), and eager training never needs it."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
