@@ -74,8 +74,8 @@ def test_a_deep_copy_of_a_compiled_model_trains_its_own_parameters(compiled):
 
 
 def test_eager_training_leaves_dynamo_unimported():
-    """Importing revtrain and training in M-mode never load Dynamo (about a second of each
-    process's start): the core's "not traced by torch.compile" mark waits for torch.compile."""
+    """Importing revtrain and training in M-mode never load Dynamo (it slows every process's
+    start): the core's "not traced by torch.compile" mark waits for torch.compile."""
     code = ("import sys, torch, revtrain, revtrain.cli\n"
             "from revtrain.models import create_model\n"
             "model = create_model('revnet38', in_channels=1, num_classes=10)\n"

@@ -134,8 +134,8 @@ def _commit(here: Path = Path(__file__).resolve().parent) -> str | None:
         changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
                                  capture_output=True, text=True, timeout=30, cwd=here)
     except (OSError, subprocess.TimeoutExpired):
-        return f"{commit} (uncommitted changes not known)"
-    if changed.returncode != 0:
+        changed = None
+    if changed is None or changed.returncode != 0:
         return f"{commit} (uncommitted changes not known)"
     return f"{commit} with uncommitted changes" if changed.stdout.strip() else commit
 
