@@ -42,18 +42,18 @@ _SIDE = 8  # the sketch is _SIDE x _SIDE
 _SEED = 0x5EED
 
 
-def check_due(layer: Any) -> bool:
+def check_due(layer: Any, counter: str = "_check_calls") -> bool:
     """Whether ``layer`` checks its rebuild in this M-mode forward (and counts the call, per
-    layer): ``check_every=None``: the first :data:`FIRST_CHECKS` calls, then one in
-    :data:`DEFAULT_EVERY`; ``k``: one call in ``k``, from the first."""
+    layer and ``counter``: a layer's own checks keep their own count): ``check_every=None``: the
+    first :data:`FIRST_CHECKS` calls, then one in :data:`DEFAULT_EVERY`; ``k``: one call in ``k``."""
     if not layer.check_reconstruction:
         return False
     every = getattr(layer, "check_every", None)
     if every == 1:
         return True
     holder = owner_module(layer) or layer  # the inverse of a layer counts on the layer
-    calls = holder.__dict__.get("_check_calls", 0)
-    holder.__dict__["_check_calls"] = calls + 1
+    calls = holder.__dict__.get(counter, 0)
+    holder.__dict__[counter] = calls + 1
     if every is None:
         return calls < FIRST_CHECKS or (calls - FIRST_CHECKS + 1) % DEFAULT_EVERY == 0
     return calls % every == 0

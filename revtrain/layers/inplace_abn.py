@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from revtrain.core import Invertible, Mode, StepResult
 from revtrain.core.step import Grads, State, autograd_grads
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
+from revtrain.core.checks import check_due
 from revtrain.errors import ReversibilityError
 
 __all__ = ["ABNRecord", "InPlaceABN", "BatchNormLeakyReLU"]
@@ -68,7 +69,9 @@ class InPlaceABN(Invertible):
             ``nn.BatchNorm2d``).
         min_weight: In M-mode the forward refuses any ``|γ|`` below this: the rebuild divides
             by ``γ``, so a rounding error ``u`` in the output becomes ``u·|β|/|γ|`` in the
-            rebuilt normalised input. Checked at every M-mode forward (``γ`` is learned).
+            rebuilt normalised input. ``γ`` is learned, so M-mode forwards check it on the
+            calls the rebuild check samples (one device sync each; ``check_every=1``: every
+            call; off with ``check_reconstruction=False``).
         closed_form_backward: Compute M-mode gradients from the output in closed form (True),
             or rebuild the input and run the forward once more under autograd (False; slower,
             kept to compare).
@@ -176,7 +179,8 @@ class InPlaceABN(Invertible):
         _refuse_extra(extra)
         (x,) = xs
         self._check_input(x)
-        _check_weight(self.weight, self.min_weight)
+        if check_due(self, "_weight_check_calls"):  # one device sync: sampled as the rebuild check
+            _check_weight(self.weight, self.min_weight)
         w, b = self.weight.detach(), self.bias.detach()
         with torch.no_grad():
             if self.training:

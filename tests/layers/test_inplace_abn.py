@@ -18,6 +18,7 @@ from torch import nn
 from torch.func import functional_call
 
 from revtrain.core import reverse_step, set_modes, verify_invertible
+from revtrain.core.checks import DEFAULT_EVERY, FIRST_CHECKS
 from revtrain.errors import ReversibilityError
 from revtrain.layers import ABNRecord, BatchNormLeakyReLU, InPlaceABN
 
@@ -184,6 +185,49 @@ def test_zero_gamma_is_refused_in_m_mode_with_the_channels_named():
 
     with pytest.raises(ReconstructionError, match="non-finite"):
         layer(x).sum().backward()
+
+
+@pytest.mark.parametrize("settings, checked", [({}, FIRST_CHECKS + 2), ({"check_every": 1}, 105),
+                                               ({"check_reconstruction": False}, 0)])
+def test_the_gamma_check_is_sampled_like_the_rebuild_check(monkeypatch, settings, checked):
+    """The γ check costs a device sync, so M-mode runs it on the calls the rebuild check's
+    schedule samples (105 calls: the first FIRST_CHECKS, then calls 54 and 104), on every call
+    with ``check_every=1``, never with the checks off."""
+    import revtrain.layers.inplace_abn as abn
+
+    count = [0]
+    real = abn._check_weight
+
+    def counted(weight, min_weight):
+        count[0] += 1
+        real(weight, min_weight)
+
+    monkeypatch.setattr(abn, "_check_weight", counted)
+    layer = _layer()
+    for name, value in settings.items():
+        setattr(layer, name, value)
+    x = torch.randn(4, C, 3, 3, dtype=torch.float64, requires_grad=True)
+    for _ in range(105):
+        layer(x).sum().backward()
+    assert count[0] == checked
+
+
+def test_a_gamma_that_reaches_zero_late_is_refused_within_the_sampling_period():
+    """γ set to 0 after 200 calls is refused by call 200 + DEFAULT_EVERY, naming the channel."""
+    layer = _layer()
+    x = torch.randn(4, C, 3, 3, dtype=torch.float64, requires_grad=True)
+    for _ in range(200):
+        layer(x).sum().backward()
+    with torch.no_grad():
+        layer.weight[3] = 0.0
+    for call in range(DEFAULT_EVERY):
+        try:
+            layer(x)  # the forward alone: the refusal comes before any work
+        except ReversibilityError as err:
+            assert r"channel(s) 3 (γ=0)" in str(err)
+            break
+    else:
+        pytest.fail(f"γ = 0 not refused within {DEFAULT_EVERY} calls")
 
 
 @pytest.mark.parametrize("slope", [0.0, -0.1, float("nan"), float("inf")])

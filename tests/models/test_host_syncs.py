@@ -1,0 +1,53 @@
+"""M-mode's safety checks are sampled, so a training step between samples makes no more
+host-device synchronisations than C-mode: counted, per dispatched op, for one model of each
+reversible family (coupling CNN, In-place ABN, Transformer, ViT)."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from revtrain.core import set_modes
+from revtrain.core.checks import FIRST_CHECKS
+from revtrain.models import create_model, example_batch, model_info
+
+# The ops that read a tensor's value on the host (a CUDA device must finish first).
+SYNCING = {"aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal", "aten.item"}
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _syncs_of_an_unsampled_step(name: str, mode: str) -> dict[str, int]:
+    info = model_info(name)
+    size = {"input_size": (info.inputs.shape[0], 8, 8)} if info.inputs.kind == "image" else {}
+    torch.manual_seed(0)
+    model = create_model(name)
+    set_modes(model, mode)
+    x, y = example_batch(name, 2, **size)
+
+    def step() -> None:
+        out = model(x)
+        F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+
+    for _ in range(FIRST_CHECKS + 1):  # past the checked first calls, before the next sample
+        step()
+    with _CountOps() as ops:
+        step()
+    return {op: n for op, n in ops.counts.items() if op in SYNCING}
+
+
+@pytest.mark.parametrize("name", ["revnet38", "resnext29_iabn", "revformer_tiny", "revvit_digits"])
+def test_an_unsampled_m_mode_step_syncs_no_more_than_c_mode(name):
+    assert _syncs_of_an_unsampled_step(name, "M") == _syncs_of_an_unsampled_step(name, "C")
