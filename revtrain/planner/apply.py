@@ -6,19 +6,33 @@ Nothing else about training changes: the model trains as usual afterwards.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 from revtrain.core import reversible_blocks, set_modes
 from revtrain.planner.errors import PlanMismatchError
 from revtrain.planner.recompute import plain_layers, set_layer_options
 
-if TYPE_CHECKING:
-    from revtrain.planner.data import Plan
-
 __all__ = ["apply_plan"]
 
 
-def apply_plan(plan: Plan, model: Any) -> Any:
+class PlanChoices(Protocol):
+    """What applying a plan reads of it (``revtrain.planner.data.Plan`` has it)."""
+
+    @property
+    def modes(self) -> Mapping[str, str]: ...  # reversible block name -> "M" or "C"
+
+    @property
+    def layers(self) -> Mapping[str, str]: ...  # plain layer name -> "keep", "recompute", "offload"
+
+    @property
+    def model(self) -> str: ...  # the model it was made for ("" if not known)
+
+    @property
+    def batch_size(self) -> int | None: ...
+
+
+def apply_plan(plan: PlanChoices, model: Any) -> Any:
     """Set every reversible block of ``model`` to ``plan``'s mode for it, and every plain layer to
     its option (layers the plan does not name keep); returns ``model``.
 
