@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 
 from revtrain import ReversibleSequence, list_models, model_info, set_modes, set_rebuild_checks
-from revtrain.bench.report import Column, Report, Table
+from revtrain.bench.report import Column, Report, Table, interval_cells
 from revtrain.device import synchronize
 from revtrain.models import create_model_for, input_spec
 from revtrain.planner import measure_steps, prepare
 from revtrain.tasks import task_for
+from revtrain.timing import block_ratios, median_interval
 
 CASES: dict[str, tuple[tuple[tuple[int, ...], int], ...]] = {
     "revnet38": (((1, 8, 8), 64), ((3, 32, 32), 128)),
@@ -108,13 +109,14 @@ def run(options, device: torch.device, out: Path, log) -> Report:
         "steps", "Whole SGD steps: M-mode, C-mode and the plain twin",
         [Column("model", "model"), Column("input", "input"), Column("batch", "batch", "int"),
          Column("M_step_s", "M step", "ms"), Column("C_step_s", "C step", "ms"),
-         Column("M_over_C", "M / C (paired median)", "ratio3"),
+         Column("M_over_C", "M / C [interval]", "interval"),
          Column("twin", "twin"), Column("twin_step_s", "twin step", "ms"), Column("M_over_twin", "M / twin", "ratio"),
          Column("M_peak_bytes", "M step memory", "bytes"), Column("C_peak_bytes", "C step memory", "bytes"),
          Column("twin_peak_bytes", "twin step memory", "bytes")],
         steps,
         note=(f"Medians of whole SGD steps, M and C alternating in rounds (the order rotating, each timed step right after an untimed one of its own setting, as in training with it) ({repeats} at least, up to {2 * repeats} "
-              "until each median is known to 2%); M / C: median of the per-round ratios. Step memory: the peak of one step with "
+              "until each median is known to 2%); M / C: median of the per-round ratios with a distribution-free interval of "
+              "at least 95% where the rounds allow (`revtrain.timing.median_interval`). Step memory: the peak of one step with "
               "parameters, gradients and optimizer state (the planner's step memory)."),
     )
     phase_table = Table(
@@ -163,7 +165,7 @@ def measure_case(name: str, shape: tuple[int, ...], batch: int, device: torch.de
     row = {
         "model": name, "input": label, "batch": batch, "twin": twin_name,
         "M_step_s": m.step_time_s, "C_step_s": c.step_time_s, "twin_step_s": plain.step_time_s,
-        "M_over_C": _paired(m.times_s, c.times_s),
+        **interval_cells("M_over_C", median_interval(block_ratios(m.times_s, c.times_s, 1))),
         "M_over_twin": m.step_time_s / plain.step_time_s, "C_over_twin": c.step_time_s / plain.step_time_s,
         "M_peak_bytes": m.peak_bytes, "C_peak_bytes": c.peak_bytes, "twin_peak_bytes": plain.peak_bytes,
         "rounds": len(m.times_s),
@@ -176,11 +178,6 @@ def measure_case(name: str, shape: tuple[int, ...], batch: int, device: torch.de
               **{k.replace(", no check", "_nocheck").replace(", no graph", "_nograph"): v for k, v in flat.items()},
               **{k.replace(", no check", "_nocheck"): v for k, v in ratios.items()}}
     return row, phases
-
-
-def _paired(a: tuple[float, ...], b: tuple[float, ...]) -> float:
-    """Median of the per-round ratios ``a[i] / b[i]`` (the two steps timed in the same round)."""
-    return statistics.median(x / y for x, y in zip(a, b))
 
 
 PHASE_SETTINGS = (("C", "C", None), ("M", "M", None), ("M, no check", "M", 0))
