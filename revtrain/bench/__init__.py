@@ -8,6 +8,7 @@ from revtrain.bench.peers import PEERS, installed_peers
 from revtrain.bench.report import Column, Report, Table, write_report
 from revtrain.bench.runner import SUITES, BenchOptions, run_suite
 from revtrain.bench.stack import (
+    EXTRA_METHODS,
     METHODS,
     OURS,
     GradientMismatchError,
@@ -18,6 +19,7 @@ from revtrain.bench.stack import (
 )
 
 __all__ = [
+    "EXTRA_METHODS",
     "METHODS",
     "OURS",
     "PEERS",

@@ -69,7 +69,7 @@ class BenchOptions:
     planner and inplace_abn batch sizes, transformer SEQ_LEN; default the suite's grid."""
     methods: tuple[str, ...] = ()
     """core: exactly these methods, plain (the reference) always among them (plain, M, C, checkpoint,
-    a peer library, M-nocheck, M-check1, M-check4, M-exact, M-overlap, M-chain; default plain, M, C,
+    a peer library, M-nocheck, M-check1, M-check4, M-norng, M-exact, M-overlap, M-chain; default plain, M, C,
     checkpoint and every installed peer); planner: its parts (sweep, whole-model); petra: its parts
     (accuracy, throughput, memory, rank-exit)."""
     repeats: int | None = None

@@ -60,9 +60,12 @@ OURS: tuple[str, ...] = ("plain", "M", "C", "checkpoint")
 METHODS: tuple[str, ...] = OURS + PEERS
 """Every method the stack benchmark knows: ours, then the peer libraries (when installed)."""
 
-EXTRA_METHODS: tuple[str, ...] = ("M-nocheck", "M-check1", "M-check4", "M-exact", "M-chain", "M-overlap")
+EXTRA_METHODS: tuple[str, ...] = ("M-nocheck", "M-check1", "M-check4", "M-norng", "M-exact", "M-chain", "M-overlap")
 """Variants of M-mode measured on request: without the rebuild check, with the check on every
-step (``check_every=1``) or on one step in four (``check_every=4``), with exact (fixed-point) couplings, as standalone blocks chained on
+step (``check_every=1``) or on one step in four (``check_every=4``), without capturing the
+random generators (``preserve_rng_state=False``: what an author whose ``F`` and ``G`` draw no
+random numbers passes, as the zoo's RevNets do; the peers replay no random numbers at all),
+with exact (fixed-point) couplings, as standalone blocks chained on
 pairs instead of one ``ReversibleSequence``, and with the rebuild of each block overlapped with
 the gradients of the block above (``overlap_rebuild=True``: a second CUDA stream; on the CPU
 the same schedule on one stream)."""
@@ -270,6 +273,8 @@ def _build_models(depth: int, config: StackBenchConfig, device: torch.device) ->
         if name in config.methods:
             models[name] = ReversibleSequence([ReversibleBlock(f, g) for f, g in fgs])
             set_rebuild_checks(models[name], every)
+    if "M-norng" in config.methods:
+        models["M-norng"] = ReversibleSequence([ReversibleBlock(f, g, preserve_rng_state=False) for f, g in fgs])
     if "M-exact" in config.methods:
         models["M-exact"] = ReversibleSequence([ReversibleBlock(f, g, coupling="exact") for f, g in fgs])
     if "M-overlap" in config.methods:  # PaReprop-style: rebuilds on a second CUDA stream

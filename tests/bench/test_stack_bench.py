@@ -5,11 +5,13 @@ No timing assertions: timing belongs to the benchmark's output, not to pass/fail
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from revtrain.bench import (
+    EXTRA_METHODS,
     OURS,
     GradientMismatchError,
     StackBenchConfig,
@@ -50,6 +52,14 @@ def test_memory_order_is_sane(rows):
     assert peak[8, "checkpoint"] < peak[8, "plain"]
     assert peak[8, "plain"] > 2 * peak[2, "plain"]  # plain keeps every block's activations
     assert peak[8, "M"] < 1.2 * peak[2, "M"]  # M-mode keeps one output, whatever the depth
+
+
+def test_every_extra_method_runs_and_computes_plains_gradients():
+    config = dataclasses.replace(TINY, depths=(2,), methods=("plain", *EXTRA_METHODS))
+    rows = run_stack_benchmark(config)
+    assert [r.method for r in rows] == list(config.methods)
+    assert all(r.grad_rel_err is not None and r.grad_rel_err <= config.grad_tolerance
+               for r in rows if r.method != "plain")
 
 
 def test_a_broken_path_is_refused(monkeypatch):
