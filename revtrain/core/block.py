@@ -126,14 +126,8 @@ class ReversibleBlock(Invertible):
         drift_action: Literal["warn", "raise"] = "warn",
         check_every: int | None = None,
     ) -> None:
-        super().__init__(
-            mode,
-            preserve_rng_state=preserve_rng_state,
-            check_reconstruction=check_reconstruction,
-            drift_tolerance=drift_tolerance,
-            drift_action=drift_action,
-            check_every=check_every,
-        )
+        super().__init__(mode, preserve_rng_state=preserve_rng_state, check_reconstruction=check_reconstruction,
+                         drift_tolerance=drift_tolerance, drift_action=drift_action, check_every=check_every)
         if not isinstance(f, nn.Module) or not isinstance(g, nn.Module):
             raise TypeError(
                 "ReversibleBlock needs F and G as nn.Module instances (wrap a function in a small "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from torch import Tensor
 from revtrain.core.step import owner_module
 from revtrain.errors import ReconstructionDriftWarning, ReconstructionError
 
-__all__ = ["PROJECTIONS", "FLOOR", "FIRST_CHECKS", "DEFAULT_EVERY", "TOLERANCES", "check_due", "sketch",
+__all__ = ["PROJECTIONS", "FLOOR", "FIRST_CHECKS", "DEFAULT_EVERY", "TOLERANCES", "check_due", "sampled_call", "sketch",
            "tolerance_of", "RunCheck"]
 
 PROJECTIONS = 64  # random projections per tensor in a sketch (8 x 8)
@@ -42,21 +43,30 @@ _SIDE = 8  # the sketch is _SIDE x _SIDE
 _SEED = 0x5EED
 
 
-def check_due(layer: Any, counter: str = "_check_calls") -> bool:
+def check_due(layer: Any) -> bool:
     """Whether ``layer`` checks its rebuild in this M-mode forward (and counts the call, per
-    layer and ``counter``: a layer's own checks keep their own count): ``check_every=None``: the
-    first :data:`FIRST_CHECKS` calls, then one in :data:`DEFAULT_EVERY`; ``k``: one call in ``k``."""
+    layer): ``check_every=None``: the first :data:`FIRST_CHECKS` calls, then one in
+    :data:`DEFAULT_EVERY`; ``k``: one call in ``k``, from the first."""
     if not layer.check_reconstruction:
         return False
     every = getattr(layer, "check_every", None)
     if every == 1:
         return True
     holder = owner_module(layer) or layer  # the inverse of a layer counts on the layer
-    calls = holder.__dict__.get(counter, 0)
-    holder.__dict__[counter] = calls + 1
+    calls = holder.__dict__.get("_check_calls", 0)
+    holder.__dict__["_check_calls"] = calls + 1
     if every is None:
         return calls < FIRST_CHECKS or (calls - FIRST_CHECKS + 1) % DEFAULT_EVERY == 0
     return calls % every == 0
+
+
+SAMPLED_CALL: ContextVar[bool | None] = ContextVar("revtrain_sampled_call", default=None)  # set by runs
+
+
+def sampled_call() -> bool:
+    """Whether a layer's own host-reading checks (a device sync) run in this forward: in an
+    M-mode run, on the calls the rebuild check samples; elsewhere (a direct ``step_forward``), always."""
+    return SAMPLED_CALL.get() is not False
 
 
 def tolerance_of(layer: Any, compute_dtype: torch.dtype, *, tf32: bool = False) -> float:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
-from revtrain.core.checks import RunCheck
+from revtrain.core.checks import SAMPLED_CALL, RunCheck
 from revtrain.core.handoff import find_producer, keep_saved, kept_tensors, same_views
 from revtrain.core.overlap import reverse_overlapped, supports_overlap
 from revtrain.core.functional_call import ModuleTensors
@@ -93,25 +93,24 @@ class _ReversibleRun(torch.autograd.Function):
         records: list[Any] = []
         autocast = AutocastState.capture(xs[0].device)
         check = None if xs[0].is_meta else RunCheck.start(layers, autocast.dtype if autocast.enabled else xs[0].dtype)
-        for i, layer in enumerate(layers):
-            ys, record = layer.step_forward(xs, extra)
-            if check is not None:
-                check.forward(i, xs, ys)
-            xs = ys
-            records.append(record)
-        ctx.check = check
-        ctx.run = run
-        ctx.records = records
-        ctx.autocast = autocast
+        outside = SAMPLED_CALL.set(False)  # a layer's own host-reading checks follow the check
+        try:
+            for i, layer in enumerate(layers):
+                SAMPLED_CALL.set(check is not None and check.due[i])
+                ys, record = layer.step_forward(xs, extra)
+                if check is not None:
+                    check.forward(i, xs, ys)
+                xs = ys
+                records.append(record)
+        finally:
+            SAMPLED_CALL.reset(outside)
+        ctx.check, ctx.run, ctx.records, ctx.autocast = check, run, records, autocast
         ctx.set_materialize_grads(False)
         outputs = xs if run.join_dim is None else (torch.cat(xs, dim=run.join_dim),)
         # What run_reversible fills in after the call (see _register); a run called any other
         # way (gradcheck) keeps its output plainly and is never taken over.
         ctx.n_outputs = len(outputs)
-        ctx.kept_refs = None
-        ctx.taker = None
-        ctx.handoff = None
-        ctx.producer = None
+        ctx.kept_refs = ctx.taker = ctx.handoff = ctx.producer = None
         # Detached aliases share the outputs' version counters (in-place edits stay visible)
         # without the reference cycle that keeping an output on its own node would make.
         ctx.save_for_backward(*(t.detach() for t in outputs), *extra_in)
@@ -185,14 +184,10 @@ class _ReversibleRun(torch.autograd.Function):
         if check is not None:
             # Read here, before the run hands back its gradients: a non-finite rebuild raises
             # before they reach .grad, post-accumulate-grad hooks or a DDP all-reduce.
-            check.finish(layers, lambda i: _where(layers[i], i, n))
+            check.finish(layers, lambda i: f"block {i} of a run of {n} M-mode blocks ({layers[i].describe()})")
         dxs = tuple(d if ctx.needs_input_grad[1 + k] else None for k, d in enumerate(grad_state))
         flat = [g for layer_grads in param_grads for g in layer_grads]
         return (None, *dxs, *extra_grads, *flat)
-
-
-def _where(layer: ReversibleStep, i: int, n: int) -> str:
-    return f"block {i} of a run of {n} M-mode blocks ({layer.describe()})"
 
 
 def _release_output(ctx: Any) -> None:

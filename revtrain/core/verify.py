@@ -114,7 +114,8 @@ def verify_invertible(
         err, scale = 0.0, 0.0
         for real, rebuilt in zip(xs, result.inputs):
             diff = (real.double() - rebuilt.double()).abs()
-            err = max(err, float(diff.max()) if diff.numel() else 0.0)
+            worst = float(diff.max()) if diff.numel() else 0.0
+            err = worst if worst != worst else max(err, worst)  # a NaN stays (max would drop it)
             scale = max(scale, float(real.double().abs().max()) if real.numel() else 0.0)
         rel = err / scale if scale > 0 else err
         if rel != rel:  # NaN: a non-finite rebuild is a failure, whatever the tolerance

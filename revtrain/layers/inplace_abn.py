@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from revtrain.core import Invertible, Mode, StepResult
 from revtrain.core.step import Grads, State, autograd_grads
 from revtrain.core.arguments import NO_ARGS, ExtraArgs
-from revtrain.core.checks import check_due
+from revtrain.core.checks import sampled_call
 from revtrain.errors import ReversibilityError
 
 __all__ = ["ABNRecord", "InPlaceABN", "BatchNormLeakyReLU"]
@@ -69,16 +69,17 @@ class InPlaceABN(Invertible):
             ``nn.BatchNorm2d``).
         min_weight: In M-mode the forward refuses any ``|γ|`` below this: the rebuild divides
             by ``γ``, so a rounding error ``u`` in the output becomes ``u·|β|/|γ|`` in the
-            rebuilt normalised input. ``γ`` is learned, so M-mode forwards check it on the
-            calls the rebuild check samples (one device sync each; ``check_every=1``: every
-            call; off with ``check_reconstruction=False``).
+            rebuilt normalised input. ``γ`` is learned, so it is checked in the forwards of
+            M-mode training steps the rebuild check samples (one device sync each;
+            ``check_every=1``: every step) and in every direct :meth:`step_forward`.
         closed_form_backward: Compute M-mode gradients from the output in closed form (True),
             or rebuild the input and run the forward once more under autograd (False; slower,
             kept to compare).
         mode: ``"M"`` or ``"C"``; settable any time via ``layer.mode``.
         check_reconstruction: Compare a sketch (norm and random projections) of the input seen
             in the forward with that of the rebuilt one in backward, on the steps the check
-            samples (see ``docs/core.md``).
+            samples (see ``docs/core.md``); False also stops the ``min_weight`` check in M-mode
+            training steps.
         drift_tolerance: Relative difference allowed by that check (default: by the precision
             the layer computes in, as for every reversible layer).
         drift_action: ``"warn"`` or ``"raise"`` when it is exceeded.
@@ -179,7 +180,7 @@ class InPlaceABN(Invertible):
         _refuse_extra(extra)
         (x,) = xs
         self._check_input(x)
-        if check_due(self, "_weight_check_calls"):  # one device sync: sampled as the rebuild check
+        if sampled_call():  # one device sync: in an M-mode run, on the calls the check samples
             _check_weight(self.weight, self.min_weight)
         w, b = self.weight.detach(), self.bias.detach()
         with torch.no_grad():
@@ -223,7 +224,7 @@ class InPlaceABN(Invertible):
         self, y: Tensor, dy: Tensor | None, record: ABNRecord, params: Sequence[Tensor],
         need_input_grad: bool,
     ) -> StepResult:
-        # The forward checked γ; the rebuild needs no second check (and no second sync).
+        # γ was checked in the forward where the schedule samples it (docs/layers.md); no sync here.
         x = self._rebuild(y, record)
         if dy is None:
             return StepResult((x,), (None,), [None] * len(params))

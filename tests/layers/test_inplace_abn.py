@@ -190,9 +190,9 @@ def test_zero_gamma_is_refused_in_m_mode_with_the_channels_named():
 @pytest.mark.parametrize("settings, checked", [({}, FIRST_CHECKS + 2), ({"check_every": 1}, 105),
                                                ({"check_reconstruction": False}, 0)])
 def test_the_gamma_check_is_sampled_like_the_rebuild_check(monkeypatch, settings, checked):
-    """The γ check costs a device sync, so M-mode runs it on the calls the rebuild check's
-    schedule samples (105 calls: the first FIRST_CHECKS, then calls 54 and 104), on every call
-    with ``check_every=1``, never with the checks off."""
+    """The γ check costs a device sync, so M-mode training steps run it on the calls the rebuild
+    check's schedule samples (105 calls: the first FIRST_CHECKS, then calls 54 and 104), on
+    every call with ``check_every=1``, never with the checks off."""
     import revtrain.layers.inplace_abn as abn
 
     count = [0]
@@ -210,6 +210,25 @@ def test_the_gamma_check_is_sampled_like_the_rebuild_check(monkeypatch, settings
     for _ in range(105):
         layer(x).sum().backward()
     assert count[0] == checked
+
+
+def test_outside_a_training_step_every_call_checks_gamma():
+    """A direct ``step_forward`` (what PETRA stages and ``verify_invertible`` call) checks γ on
+    every call, sampled or not; ``verify_invertible`` reports the layer's failure."""
+    layer = _layer()
+    x = torch.randn(4, C, 3, 3, dtype=torch.float64, requires_grad=True)
+    for _ in range(FIRST_CHECKS + 1):  # the next training step is not sampled
+        layer(x).sum().backward()
+    with torch.no_grad():
+        layer.weight[1] = 0.0
+    with pytest.raises(ReversibilityError, match=r"channel\(s\) 1 \(γ=0\)"):
+        layer.step_forward((x.detach(),))
+    with pytest.raises(ReversibilityError, match=r"channel\(s\) 1 \(γ=0\)"):
+        verify_invertible(nn.Sequential(layer), x.detach())
+    layer(x).sum().backward()  # an unsampled training step does not check (docs/layers.md)
+    assert not torch.isfinite(layer.weight.grad).all()
+    layer.min_weight = 0.0  # γ = 0 let through: the non-finite rebuild is a failed verification
+    assert not verify_invertible(nn.Sequential(layer), x.detach(), raise_on_failure=False).ok
 
 
 def test_a_gamma_that_reaches_zero_late_is_refused_within_the_sampling_period():

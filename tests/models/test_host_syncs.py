@@ -15,7 +15,8 @@ from revtrain.core import set_modes
 from revtrain.core.checks import FIRST_CHECKS
 from revtrain.models import create_model, example_batch, model_info
 
-# The ops that read a tensor's value on the host (a CUDA device must finish first).
+# The dispatched ops that read a tensor's value on the host (a CUDA device must finish first);
+# .tolist() and .numpy() bypass the dispatcher, and a copy to the host looks like any copy here.
 SYNCING = {"aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal", "aten.item"}
 
 
@@ -50,4 +51,5 @@ def _syncs_of_an_unsampled_step(name: str, mode: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("name", ["revnet38", "resnext29_iabn", "revformer_tiny", "revvit_digits"])
 def test_an_unsampled_m_mode_step_syncs_no_more_than_c_mode(name):
-    assert _syncs_of_an_unsampled_step(name, "M") == _syncs_of_an_unsampled_step(name, "C")
+    m_mode, c_mode = _syncs_of_an_unsampled_step(name, "M"), _syncs_of_an_unsampled_step(name, "C")
+    assert all(n <= c_mode.get(op, 0) for op, n in m_mode.items()), (m_mode, c_mode)
