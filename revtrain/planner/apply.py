@@ -13,7 +13,7 @@ from revtrain.core import reversible_blocks, set_modes
 from revtrain.planner.errors import PlanMismatchError
 from revtrain.planner.recompute import plain_layers, set_layer_options
 
-__all__ = ["apply_plan"]
+__all__ = ["PlanChoices", "apply_plan"]
 
 
 class PlanChoices(Protocol):
