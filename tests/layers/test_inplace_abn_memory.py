@@ -17,11 +17,11 @@ from functools import partial
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from revtrain.core import set_modes
 from revtrain.layers import BatchNormLeakyReLU, InPlaceABN
 from revtrain.memory import track_peak_memory
+from tests.op_log import OpLog
 
 B, C, H = 8, 16, 16
 ACT = B * C * H * H * 4  # bytes of one float32 activation (B, C, H, H)
@@ -103,25 +103,13 @@ BATCH_NORM_FORWARD = {
 }
 
 
-class _OpLog(TorchDispatchMode):
-    """Names of the ATen ops run, and the bytes of the results they return."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def _backward_log(closed_form: bool) -> tuple[list[str], int]:
     torch.manual_seed(0)
     layer = InPlaceABN(C, closed_form_backward=closed_form, check_reconstruction=False)
     x = torch.randn(B, C, H, H, requires_grad=True)
     y = layer(x)
     dy = torch.randn_like(y)
-    with _OpLog() as log, track_peak_memory("cpu") as mem:
+    with OpLog() as log, track_peak_memory("cpu") as mem:
         y.backward(dy)
     return log.ops, mem.peak_bytes
 
@@ -145,7 +133,7 @@ def test_m_mode_forward_runs_one_batch_norm_and_activates_in_place():
     layer = InPlaceABN(C)
     layer.check_reconstruction = False  # the check's fingerprint is counted in the test above
     x = torch.randn(B, C, H, H, requires_grad=True)
-    with _OpLog() as log, track_peak_memory("cpu") as mem:
+    with OpLog() as log, track_peak_memory("cpu") as mem:
         y = layer(x)
     assert log.ops.count("native_batch_norm") == 1 and "leaky_relu_" in log.ops
     assert "leaky_relu" not in log.ops  # no out-of-place activation: one full-size result

@@ -9,25 +9,15 @@ import collections
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from revtrain.core import set_modes
 from revtrain.core.checks import FIRST_CHECKS
 from revtrain.models import create_model, example_batch, model_info
+from tests.op_log import OpLog
 
 # The dispatched ops that read a tensor's value on the host (a CUDA device must finish first);
 # .tolist() and .numpy() bypass the dispatcher, and a copy to the host looks like any copy here.
-SYNCING = {"aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal", "aten.item"}
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
+SYNCING = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "item"}
 
 
 def _syncs_of_an_unsampled_step(name: str, mode: str) -> dict[str, int]:
@@ -44,9 +34,9 @@ def _syncs_of_an_unsampled_step(name: str, mode: str) -> dict[str, int]:
 
     for _ in range(FIRST_CHECKS + 1):  # past the checked first calls, before the next sample
         step()
-    with _CountOps() as ops:
+    with OpLog() as log:
         step()
-    return {op: n for op, n in ops.counts.items() if op in SYNCING}
+    return dict(collections.Counter(op for op in log.ops if op in SYNCING))
 
 
 @pytest.mark.parametrize("name", ["revnet38", "resnext29_iabn", "revformer_tiny", "revvit_digits"])
