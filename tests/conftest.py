@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run, so a run of the suite cannot fail by the
+# luck of the draw; HYPOTHESIS_PROFILE=explore draws new ones (to hunt for bugs, not in CI).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ No timing assertions: timing belongs to the benchmark's output, not to pass/fail
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 import pytest
@@ -43,7 +44,8 @@ def test_every_depth_and_method_has_a_complete_row(rows):
             assert r.time_ratio == r.cpu_time_ratio == r.peak_ratio == 1.0
             assert r.grad_rel_err is None
         else:
-            assert r.grad_rel_err is not None and r.grad_rel_err <= TINY.grad_tolerance
+            # float32: far below the benchmark's own refusal bound (grad_tolerance, 1e-2)
+            assert r.grad_rel_err is not None and r.grad_rel_err < 1e-5
 
 
 def test_memory_order_is_sane(rows):
@@ -58,8 +60,11 @@ def test_every_extra_method_runs_and_computes_plains_gradients():
     config = dataclasses.replace(TINY, depths=(2,), methods=("plain", *EXTRA_METHODS))
     rows = run_stack_benchmark(config)
     assert [r.method for r in rows] == list(config.methods)
-    assert all(r.grad_rel_err is not None and r.grad_rel_err <= config.grad_tolerance
-               for r in rows if r.method != "plain")
+    # M-exact rounds the state to fixed point (core/fixed_point.py): plain's function only up to
+    # that rounding, so it gets the benchmark's own bound; every other variant is plain's function.
+    for r in rows[1:]:
+        assert r.grad_rel_err is not None
+        assert r.grad_rel_err < (config.grad_tolerance if r.method == "M-exact" else 1e-5), r.method
 
 
 def test_a_broken_path_is_refused(monkeypatch):
@@ -102,10 +107,11 @@ def test_unknown_or_missing_peer_is_refused_before_building(monkeypatch):
 def test_each_installed_peer_computes_our_function(peer):
     """A peer column is only meaningful if the peer trains the same function: its gradients
     are checked against plain autograd inside the benchmark (GradientMismatchError otherwise)."""
-    from revtrain.bench.peers import peer_status
+    from revtrain.bench import peers
 
-    if peer_status(peer):
-        pytest.skip(peer_status(peer))
+    if importlib.util.find_spec(peers._MODULES[peer]) is None:  # not part of the dev install
+        pytest.skip(f"{peer} is not installed (pip install --no-deps, see benchmarks/README.md)")
+    assert peers.peer_status(peer) is None  # installed: it must import and build
     config = StackBenchConfig(batch=2, channels=8, size=4, depths=(2,), methods=("plain", peer),
                               repeats=1, warmup=0, device="cpu", measure_memory=False)
     rows = run_stack_benchmark(config)

@@ -55,7 +55,9 @@ def test_zoo(tmp_path: Path) -> None:
     assert 0 < row["M_peak_bytes"] < row["C_peak_bytes"]
     (phase,) = report.table("phases").rows
     assert 0 < phase["C_blocks_s"] < phase["C_forward_s"]  # the stem, head and loss run outside the blocks
-    assert 1 < phase["floor"] < 2 and 1 < phase["floor_graph"] < 2
+    # Ratios of wall-clock times: only their sign is asserted (a busy machine moves the values).
+    assert math.isfinite(phase["floor"]) and phase["floor"] > 1
+    assert math.isfinite(phase["floor_graph"]) and phase["floor_graph"] > 1
 
 
 def test_planner(tmp_path: Path) -> None:
@@ -106,7 +108,7 @@ def test_inplace_abn(tmp_path: Path) -> None:
     report = _run("inplace_abn", tmp_path, repeats=1, warmup=0)
     rows = report.table("steps").rows
     assert [r["method"] for r in rows] == ["iabn M", "iabn M (recompute)", "iabn C", "plain", "plain, in-place"]
-    assert all(r["grad_rel_error"] < 1e-2 and r["peak_bytes"] > 0 for r in rows)
+    assert all(r["grad_rel_error"] <= 1e-9 and r["peak_bytes"] > 0 for r in rows)  # float64 gradients
 
 
 def test_train(tmp_path: Path) -> None:

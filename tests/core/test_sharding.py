@@ -9,7 +9,6 @@ gradients against one process on the whole batch is tests/parallel/test_multipro
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
@@ -23,11 +22,9 @@ fsdp = pytest.importorskip("torch.distributed.fsdp")
 
 
 @pytest.fixture
-def group_of_one():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+def group_of_one(tmp_path):
+    # A file rendezvous: no port to race other processes for.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

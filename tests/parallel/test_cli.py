@@ -43,10 +43,15 @@ def _stage_states(run: Path) -> list[dict]:
     return [torch.load(f, weights_only=False)["worker"] for f in files]
 
 
-def test_petra_from_the_cli_on_processes_equals_the_simulator(tmp_path: Path) -> None:
+def test_petra_from_the_cli_on_processes_equals_the_simulator(tmp_path: Path, monkeypatch) -> None:
     """The Trainer with the PETRA engine on 2 processes and in the simulator: the same records
-    (one writer), the same stage states and the same gathered model, bit for bit."""
+    (one writer), the same stage states and the same gathered model, bit for bit. The caller
+    keeps its signal handlers: torch's elastic agent replaces them while the ranks run."""
+    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)}
     assert main(["train", *PETRA, "--run-dir", str(tmp_path / "proc")]) == 0
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
+    assert "TORCHELASTIC_SIGNALS_TO_HANDLE" not in os.environ
     assert main(["train", *PETRA, "--engine", "simulator", "--run-dir", str(tmp_path / "sim")]) == 0
     for run in ("proc", "sim"):
         records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

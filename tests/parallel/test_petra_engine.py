@@ -48,6 +48,7 @@ def test_the_learning_rate_rule_is_a_field_of_the_run_config() -> None:
         TrainConfig(stages=2, optimizer="adamw", amp="bf16")
 
 
+@pytest.mark.multiprocess  # the resume without --stages runs on one process per stage
 def test_a_resume_keeps_the_split_and_refuses_another(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = tmp_path / "run"
     argv = ["train", "--stages", "2", "--engine", "simulator", "--epochs", "1", "--max-steps-per-epoch", "2",
