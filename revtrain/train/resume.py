@@ -178,7 +178,7 @@ def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
             return str(latest)
         notes.append(f"--resume auto: {folder} holds no checkpoint; starting a new run there")  # if empty
         return None
-    latest = find_latest_run(model, dataset)
+    latest = find_latest_run(run_folder_name(model), dataset)
     if latest is None:
         notes.append(f"--resume auto: no run of {model} on {dataset} under {RUNS_ROOT}/; starting a new run")
         return None

@@ -92,6 +92,25 @@ def test_cli_trains_a_module_factory_and_load_rebuilds_it(tmp_path: Path) -> Non
     assert json.loads((run / "config.json").read_text())["model"] == factory
 
 
+def test_resume_auto_finds_the_default_run_folder_of_a_module_factory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default folder is named by the factory (runs/small_revnet-digits-...): --resume auto
+    looks for it under that name, not under the path the model was given as."""
+    (tmp_path / "my_nets.py").write_text(MY_NETS)
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--model", "my_nets.py:small_revnet", "--image-size", "8", "--batch-size", "16",
+            "--max-steps-per-epoch", "2", "--device", "cpu", "--quiet", "--no-memory-report"]
+    assert main([*argv, "--epochs", "1"]) == 0
+    (run,) = Path("runs").iterdir()
+    assert run.name.startswith("small_revnet-digits-")
+    capsys.readouterr()
+    assert main([*argv, "--epochs", "2", "--resume", "auto"]) == 0
+    assert "resuming" in capsys.readouterr().out
+    assert [p.name for p in Path("runs").iterdir()] == [run.name]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+
+
 def test_load_and_export_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("safetensors")
     run = tmp_path / "run"
