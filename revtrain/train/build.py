@@ -114,8 +114,21 @@ def text_window(config: Any) -> dict[str, int]:
             raise ConfigError(f"--context applies to token models and {config.model} takes {spec.kind} inputs; "
                               "drop --context")
         return {}
+    if config.context is None and not _takes_context(config.dataset):
+        return {}  # an image dataset: fit_model_to_data names the mismatch of kinds
     context = config.context if config.context is not None else spec.shape[0]
     if context > spec.shape[0]:
         raise ConfigError(f"--context {context} is longer than {config.model}'s context of {spec.shape[0]} "
                           f"tokens; use --context {spec.shape[0]} or less")
     return {"context": context}
+
+
+def _takes_context(dataset: str) -> bool:
+    """Whether the registered dataset ``dataset`` reads windows (takes ``context``); True for a
+    name the registry does not know (its builder decides)."""
+    from revtrain.data.registry import dataset_entry
+
+    try:
+        return "context" in dataset_entry(dataset).options
+    except ValueError:
+        return True

@@ -48,6 +48,9 @@ def test_window_longer_than_the_model_and_context_on_images_are_refused(corpus, 
         Trainer(_config(corpus, tmp_path / "a", context=10_000))
     with pytest.raises(ConfigError, match="--context applies to token models"):
         Trainer(TrainConfig(model="revnet38", context=16, device="cpu", run_dir=str(tmp_path / "b")))
+    # A token model on the default (image) dataset: the kinds are named, not an option never given.
+    with pytest.raises(ConfigError, match="takes tokens inputs but dataset digits gives image"):
+        Trainer(TrainConfig(model="revformer_tiny", device="cpu", run_dir=str(tmp_path / "c")))
     with pytest.raises(ConfigError, match="grad_clip"):
         TrainConfig(grad_clip=0.0)
     with pytest.raises(ConfigError, match="optimizer"):
