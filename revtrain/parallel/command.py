@@ -53,9 +53,9 @@ def run_parallel(argv: Sequence[str], given: dict[str, Any], resolved: Any) -> i
 
     torchrun = "TORCHELASTIC_RUN_ID" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ.get("WORLD_SIZE", "1")) if torchrun else 1
-    config = TrainConfig(**given)  # every engine validates the run's options as one process does
-    if resolved is not None:  # a resumed run keeps its stages and split: its layout is the run's
-        config = resolved.config
+    # Every engine validates the run's options as one process does; a resumed run was validated
+    # with the options it keeps (its stages and split: its layout is the run's).
+    config = resolved.config if resolved is not None else TrainConfig(**given)
     n = config.data_parallel
     if n is None and (config.stages is None or config.engine == "simulator"):
         if world > 1:

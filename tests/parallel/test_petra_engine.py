@@ -67,6 +67,11 @@ def test_a_resume_keeps_the_split_and_refuses_another(tmp_path: Path, capsys: py
     summary = json.loads((run / "summary.json").read_text())
     assert summary["petra"]["split"] == [6, 3] and summary["steps"] == 6
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["stage0-step6.pt", "stage1-step6.pt"]
+    # --engine alone on a resume (the guide's "continue it in one process"): the run's stages are kept.
+    assert main(["train", "--epochs", "4", "--engine", "simulator", "--quiet", "--no-memory-report",
+                 "--resume", str(run)]) == 0
+    assert json.loads((run / "config.json").read_text())["engine"] == "simulator"
+    assert json.loads((run / "summary.json").read_text())["steps"] == 8
 
 
 def test_the_simulator_under_torchrun_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
