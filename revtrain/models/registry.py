@@ -33,6 +33,7 @@ __all__ = [
     "create_model_for",
     "example_batch",
     "input_spec",
+    "overrides_for",
     "register_model",
     "create_model",
     "list_models",
@@ -180,11 +181,17 @@ def create_model_for(name: str, spec: InputSpec, **overrides: object) -> nn.Modu
     An image model whose builder takes ``image_size`` (a ViT: its patch grid and position table
     are fixed when it is built) also gets the spec's side, for square images.
     """
+    return create_model(name, **{**overrides_for(name, spec), **overrides})
+
+
+def overrides_for(name: str, spec: InputSpec) -> dict[str, Any]:
+    """The ``create_model`` keyword arguments that build the registered model ``name`` for inputs
+    of ``spec`` (what :func:`create_model_for` passes)."""
     fit = MODEL_OVERRIDES[spec.kind](spec)
     if (spec.kind == "image" and len(spec.shape) == 3 and spec.shape[1] == spec.shape[2]
             and "image_size" in inspect.signature(model_info(name).builder).parameters):
         fit["image_size"] = spec.shape[1]
-    return create_model(name, **{**fit, **overrides})
+    return fit
 
 
 def input_spec(

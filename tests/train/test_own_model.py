@@ -151,3 +151,20 @@ def test_bad_factory_paths_are_explained(tmp_path: Path, capsys: pytest.CaptureF
         assert __import__("re").search(message, err), err
     with pytest.raises(ConfigError, match="unknown model|module:factory"):
         Trainer(make_tiny_config(tmp_path / "r2", model="revnet-999"), out=io.StringIO())
+
+
+@pytest.mark.parametrize("name", ["revvit_cifar", "vit_digits"])
+def test_a_vit_is_built_for_the_image_size_of_the_data(name: str, tmp_path: Path) -> None:
+    """A ViT's patch grid is fixed when it is built: a CIFAR ViT trained on 8×8 digits and a digits
+    ViT on 16×16 images are built for those sizes, and load and export rebuild them the same way."""
+    size = 8 if name == "revvit_cifar" else 16
+    run = tmp_path / "run"
+    assert main(["train", "--model", name, "--image-size", str(size), "--batch-size", "16", "--epochs", "1",
+                 "--max-steps-per-epoch", "2", "--device", "cpu", "--quiet", "--no-memory-report",
+                 "--run-dir", str(run)]) == 0
+    x = torch.randn(2, 1, size, size)
+    model = revtrain.load(run)
+    assert main(["export", str(run), "--out", str(tmp_path / "exported")]) == 0
+    exported = revtrain.load(tmp_path / "exported")
+    torch.testing.assert_close(exported(x), model(x), rtol=0, atol=0)
+    assert model(x).shape == (2, 10)
