@@ -185,7 +185,7 @@ def measure_step_memory(
     make_optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
 ) -> StepMemory:
     """Measure the step memory of one training step on ``batch`` in ``modes``, and with every
-    block in C-mode (plain backprop).
+    block in C-mode and every plain layer keeping its activations (plain backprop).
 
     Step memory has one definition, the planner's (:mod:`revtrain.planner.measure`), and is what
     ``revtrain plan`` and the benchmarks print too: the peak tensor bytes of forward, loss,
@@ -196,12 +196,17 @@ def measure_step_memory(
     statistics, gradients, modes and the random generators), so the run's results do not depend
     on whether this was called.
     """
+    from revtrain.core import reversible_blocks
     from revtrain.planner.measure import measure_steps  # the planner's measurement, not a copy
+    from revtrain.planner.recompute import plain_layers
     from revtrain.planner.setup import prepare
 
+    # Plain backprop: every block in C-mode and every plain layer keeping its activations (a
+    # plan may recompute or offload some).
+    plain = {**{name: "C" for name, _ in reversible_blocks(model)}, **{name: "keep" for name, _ in plain_layers(model)}}
     with prepare(model, batch, device=device, repeats=0, warmup=1, autocast=autocast, loss_fn=loss_fn,
                  make_optimizer=make_optimizer) as setup:
-        steps = measure_steps(setup, {"run": dict(modes) or None, "plain": "C"})
+        steps = measure_steps(setup, {"run": dict(modes) or None, "plain": plain or "C"})
         batch_size = setup.batch_size
-    run, plain = steps["run"], steps["plain"]
-    return StepMemory(run.peak_bytes, plain.peak_bytes, batch_size, modes, run.method)
+    run, plain_step = steps["run"], steps["plain"]
+    return StepMemory(run.peak_bytes, plain_step.peak_bytes, batch_size, modes, run.method)
