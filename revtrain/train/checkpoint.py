@@ -104,8 +104,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "does not exist"
         raise CorruptCheckpointError(
-            f"checkpoint {path} {what}; pass the checkpoint.pt inside a run folder, or "
-            "--resume auto to pick the latest run of this model and dataset"
+            f"checkpoint {path} {what}; pass a run folder or the checkpoint.pt inside one "
+            "(revtrain train --resume auto finds the latest run of a model and dataset)"
         )
     try:
         with warnings.catch_warnings():

@@ -76,7 +76,8 @@ def load(source: str | os.PathLike[str], *, model: nn.Module | None = None,
 
     Args:
         source: A run folder (its latest checkpoint is read), a checkpoint file or checkpoint
-            folder, or a folder written by :func:`export` (``model.json`` + ``model.safetensors``).
+            folder, or a folder written by :func:`export` (``model.json`` + ``model.safetensors``)
+            or one of its two files.
         model: A freshly built model to load into, for runs of a model object given to the
             Trainer (default: rebuilt from the recorded name or ``module:factory``).
         device: Where the model goes.
@@ -86,6 +87,8 @@ def load(source: str | os.PathLike[str], *, model: nn.Module | None = None,
         ConfigError: the recorded model cannot be rebuilt (pass ``model=``).
     """
     path = Path(source)
+    if path.name in (WEIGHTS_NAME, RECIPE_NAME) and (path.parent / RECIPE_NAME).is_file():
+        path = path.parent  # a file of an exported folder: the folder
     if (path / RECIPE_NAME).is_file():
         return _load_export(path, model, device)
     ckpt = checkpoint_of(path)

@@ -126,6 +126,7 @@ def test_load_and_export_round_trip(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert recipe["input"] == {"kind": "image", "shape": [1, 8, 8], "num_classes": 10}
     from_export = revtrain.load(tmp_path / "exported")
     _same_state(from_export.state_dict(), state["model"])
+    _same_state(revtrain.load(tmp_path / "exported" / "model.safetensors").state_dict(), state["model"])
     assert get_modes(from_export) == state["modes"]
     x = _test_batch()
     with torch.no_grad():
