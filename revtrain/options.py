@@ -51,7 +51,8 @@ def add_config_options(
         kind = _unwrap_optional(hints[f.name])
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         default = defaults.get(f.name, None if required else f.default)
-        shown = "" if default is None else f" (default: {_show(default)})"
+        # No "(default: )" for an empty default: the field's own text says what empty means.
+        shown = "" if default is None or default == "" else f" (default: {_show(default)})"
         text = docs.get(f.name, "") + help_suffix.get(f.name, "") + shown
         kwargs: dict[str, Any] = dict(dest=f.name, help=text.replace("%", "%%"))
         if required:
