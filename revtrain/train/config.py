@@ -237,6 +237,9 @@ class TrainConfig(ProfileOptions):
         self.mode = self.mode.upper()  # type: ignore[assignment]
         if self.budget is not None and self.plan is not None:
             raise ConfigError("give either --budget (plan now) or --plan (load a plan), not both")
+        if self.mode != "M" and (self.budget is not None or self.plan is not None):
+            source = "--budget" if self.budget is not None else "--plan"
+            raise ConfigError(f"--mode {self.mode} with {source}: the plan sets each block's mode; drop --mode")
         if self.budget is not None and not str(self.budget).strip():
             raise ConfigError("budget is empty; give a size such as 6GiB, or a fraction such as 50%")
         self._check_stages()

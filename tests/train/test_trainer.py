@@ -172,6 +172,8 @@ def test_cuda_device_without_cuda_is_refused(tiny_config: TinyConfig) -> None:
         ({"momentum": 0.0}, "Nesterov momentum needs momentum > 0"),
         ({"milestones": (0.8, 0.2)}, "milestones must be increasing"),
         ({"budget": "1GiB", "plan": "p.json"}, "either --budget .* or --plan"),
+        ({"plan": "p.json", "mode": "C"}, "--mode C with --plan: the plan sets each block's mode; drop --mode"),
+        ({"budget": "1GiB", "mode": "C"}, "--mode C with --budget"),
         ({"schedule": "linear"}, "schedule must be one of cosine, step"),
         ({"check_every": -1}, "check_every must be an integer >= 0"),
     ],
