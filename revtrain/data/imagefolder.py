@@ -11,8 +11,9 @@ RGB, resized so that the shorter side is ``image_size`` and centre-cropped to a 
 normalised with the ImageNet mean and standard deviation. Training augmentation (on by default):
 a random crop after zero padding of ``image_size // 8`` pixels and a horizontal flip, drawn from
 the loader's seeded generator, so a batch is a pure function of ``(seed, epoch, batch)`` as for
-every revtrain dataset. Every file's header is read once when the dataset is built, so an
-unreadable image is reported before training starts, by name.
+every revtrain dataset. Every file is decoded once when the dataset is built, as the reader
+decodes it (JPEGs at 1/8 scale, which still decodes all of their compressed data), so an
+unreadable, truncated or corrupt image is reported before training starts, by name.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +29,9 @@ import torch
 from revtrain.data.errors import DatasetFormatError, DatasetNotFoundError
 from revtrain.data.loader import DatasetInfo, DatasetSplits
 from revtrain.data.transforms import BatchTransform
+
+if TYPE_CHECKING:
+    from PIL.Image import Image as PILImage
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "IMG_EXTENSIONS", "ImageFileDataset", "build_image_folder",
            "scan_image_folder"]
@@ -117,9 +122,8 @@ class ImageFileDataset:
         from PIL import Image
 
         try:
-            with Image.open(path) as image:
-                rgb = image.convert("RGB")
-        except (OSError, ValueError, SyntaxError) as err:
+            rgb = _read_rgb(path)
+        except _read_errors() as err:
             raise DatasetFormatError(f"cannot read image {path} ({type(err).__name__}: {err}); replace or "
                                      "remove the file") from None
         s = self.image_size
@@ -137,15 +141,43 @@ class ImageFileDataset:
         return out
 
 
-def _check_readable(samples: list[tuple[str, int]]) -> None:
+def _read_errors() -> tuple[type[Exception], ...]:
+    """What PIL raises for a file it cannot decode (a missing, truncated or corrupt file, an image
+    of more than twice ``Image.MAX_IMAGE_PIXELS``)."""
     from PIL import Image
 
+    return OSError, ValueError, SyntaxError, Image.DecompressionBombError
+
+
+def _read_rgb(path: str, *, reduced: bool = False) -> PILImage:
+    """The image at ``path`` decoded to RGB: what :meth:`ImageFileDataset.decode` reads.
+
+    ``reduced`` decodes a JPEG at 1/8 scale (PIL's ``draft``): the entropy-coded data is still
+    read and decoded to its end, so a truncated or corrupt JPEG fails as it does at full scale,
+    for less than a full decode of a photo.
+    """
+    from PIL import Image
+
+    with Image.open(path) as image:
+        if reduced and image.format == "JPEG":
+            image.draft(None, (1, 1))
+        return image.convert("RGB")
+
+
+def _check_readable(samples: list[tuple[str, int]]) -> None:
+    """Refuse, by name, the files that training would fail to read.
+
+    Every file is decoded once, as the reader decodes it (:func:`_read_rgb`; JPEGs at reduced
+    scale), since opening a file reads only its header, which a truncated file still has, and
+    PIL's ``verify()`` checks PNG chunks but nothing of a JPEG's data. Costs one epoch's
+    decoding at most, once.
+    """
+    errors = _read_errors()
     bad = []
     for path, _ in samples:
         try:
-            with Image.open(path):
-                pass
-        except (OSError, ValueError, SyntaxError):
+            _read_rgb(path, reduced=True)
+        except errors:
             bad.append(path)
     if bad:
         shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from revtrain.data.errors import DatasetError
 from revtrain.data.transforms import BatchTransform
 
 __all__ = ["DatasetInfo", "InMemoryDataset", "DatasetSplits", "ResumableLoader", "derive_seed"]
@@ -170,6 +171,43 @@ class _BatchFetcher(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self.dataset.get_batch(indices, gen)
 
 
+_TRACEBACK_HEADER = "Traceback (most recent call last):\n"
+
+
+def _unwrap_worker_error(err: DatasetError) -> DatasetError | None:
+    """The error a DataLoader worker raised, as it was raised, or None if ``err`` is not one.
+
+    torch re-raises a worker's exception in the main process as the same type, built from one
+    message: a line ``Caught <Type> in DataLoader worker process <i>.``, then ``Original`` and
+    the worker's traceback, which ends with ``<module>.<Type>: <message>``. The message is
+    everything after that ``<module>.<Type>: ``, so a message of several lines comes back whole.
+    """
+    text = str(err.args[0]) if len(err.args) == 1 else ""
+    first, _, rest = text.partition("\n")
+    if not (first.startswith("Caught ") and " in DataLoader worker process " in first):
+        return None
+    cls = type(err)
+    name = cls.__qualname__ if cls.__module__ in ("builtins", "__main__") else f"{cls.__module__}.{cls.__qualname__}"
+    at = rest.rfind(_TRACEBACK_HEADER)
+    if at < 0:
+        return None
+    # After the header come the frames (indented lines), then the exception's own line(s).
+    lines = rest[at + len(_TRACEBACK_HEADER):].split("\n")
+    while lines and lines[0].startswith((" ", "\t")):
+        lines.pop(0)
+    tail = "\n".join(lines).rstrip("\n")
+    if tail == name:
+        message = ""
+    elif tail.startswith(name + ": "):
+        message = tail[len(name) + 2:]
+    else:
+        return None
+    try:
+        return cls(message)
+    except Exception:  # a subclass that is not built from one message: keep torch's error
+        return None
+
+
 class ResumableLoader:
     """Batches of an :class:`InMemoryDataset` that any checkpoint can resume exactly.
 
@@ -292,7 +330,21 @@ class ResumableLoader:
             )
         else:
             batches = (self._pin(fetcher[key]) for key in keys)
-        for x, y in batches:
+        drawn = iter(batches)
+        while True:
+            try:
+                x, y = next(drawn)
+            except StopIteration:
+                break
+            except DatasetError as err:
+                original = _unwrap_worker_error(err)
+                if original is None:
+                    raise
+                # The worker's traceback, in torch's message, stays reachable as the cause. Without
+                # its main-process frames (torch's re-raise) and ``drawn``, nothing holds the
+                # DataLoader's iterator, so its workers shut down now, not when the error is freed.
+                del drawn
+                raise original from err.with_traceback(None)
             # Count the batch as consumed when handed out: a checkpoint taken while the
             # caller trains on it resumes with the one after.
             self.next_batch += 1

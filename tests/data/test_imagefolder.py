@@ -97,3 +97,83 @@ def test_augmentation_is_seeded_and_flips(tmp_path: Path) -> None:
     plain = next(iter(build_dataloaders("imagefolder", data_dir=root, batch_size=4, image_size=8,
                                         augment=False)[0]))[0]
     assert not torch.equal(first[0], plain)  # cropped or flipped
+
+
+def _write_noise(path: Path, fmt: str, side: int = 64) -> bytes:
+    """A noisy image (so it compresses badly and its data runs well past the header); its bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path, format=fmt)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize(("fmt", "name", "keep"), [("PNG", "trunc.png", lambda n: 300),
+                                                   ("JPEG", "trunc.jpg", lambda n: n // 2),
+                                                   ("JPEG", "no_end.jpg", lambda n: n - 2)])
+def test_truncated_image_is_refused_before_training(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    fmt: str, name: str, keep) -> None:
+    from revtrain.cli import main
+
+    root = make_image_folder(tmp_path / "pics")
+    bad = root / "train" / "dog" / name
+    data = _write_noise(bad, fmt)
+    bad.write_bytes(data[:keep(len(data))])
+    with Image.open(bad) as image:  # the header is intact: opening the file alone does not see the damage
+        assert image.size == (64, 64)
+    message = f"1 file(s) with an image extension are not readable images: {bad}; replace or remove them"
+    with pytest.raises(DatasetFormatError, match=re.escape(message)):
+        build_dataloaders("imagefolder", data_dir=root, batch_size=4, image_size=8)
+    run = tmp_path / "run"
+    assert main(["train", "--dataset", "imagefolder", "--data-dir", str(root), "--image-size", "8",
+                 "--batch-size", "4", "--epochs", "1", "--device", "cpu", "--quiet", "--no-memory-report",
+                 "--run-dir", str(run)]) == 2
+    assert capsys.readouterr().err == f"revtrain train: error: {message}\n"
+    assert not (run / "checkpoint.pt").exists() and not (run / "summary.json").exists()
+
+
+def test_an_intact_noisy_image_passes_the_check(tmp_path: Path) -> None:
+    root = make_image_folder(tmp_path / "pics")
+    for fmt, ext in (("PNG", "png"), ("JPEG", "jpg")):
+        _write_noise(root / "val" / "owl" / f"noise.{ext}", fmt)
+    assert build_dataloaders("imagefolder", data_dir=root, batch_size=4, image_size=8)[2].test_size == 11
+
+
+def _read_error(loader) -> DatasetFormatError:
+    with pytest.raises(DatasetFormatError) as caught:
+        for _ in loader:
+            pass
+    return caught.value
+
+
+def test_a_read_error_in_a_worker_is_the_plain_one_line_error(tmp_path: Path) -> None:
+    """A file that breaks after the check (here: overwritten once the loaders exist) stops the epoch
+    with the same error, type and message, with worker processes as without."""
+    root = make_image_folder(tmp_path / "pics")
+    loaders = {n: build_dataloaders("imagefolder", data_dir=root, batch_size=4, image_size=8, num_workers=n)[1]
+               for n in (0, 2)}
+    bad = root / "val" / "dog" / "0.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n and then nothing")
+    plain, from_workers = _read_error(loaders[0]), _read_error(loaders[2])
+    assert type(from_workers) is type(plain) is DatasetFormatError
+    assert str(from_workers) == str(plain)
+    assert str(plain).startswith(f"cannot read image {bad} (") and "\n" not in str(plain)
+    # Nothing is lost: torch's report, with the worker's traceback, is the cause.
+    assert "in DataLoader worker process" in str(from_workers.__cause__)
+    assert "Traceback" in str(from_workers.__cause__)
+
+
+def test_a_read_error_in_a_worker_is_one_line_from_the_command_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from revtrain.cli import main
+    from revtrain.data import imagefolder
+
+    root = make_image_folder(tmp_path / "pics")
+    bad = root / "train" / "owl" / "0.png"
+    bad.write_bytes(b"not a png")
+    monkeypatch.setattr(imagefolder, "_check_readable", lambda samples: None)  # it breaks after the check
+    assert main(["train", "--dataset", "imagefolder", "--data-dir", str(root), "--image-size", "8",
+                 "--batch-size", "4", "--epochs", "1", "--num-workers", "2", "--device", "cpu", "--quiet",
+                 "--no-memory-report", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"revtrain train: error: cannot read image {bad} (") and err.count("\n") == 1
+    assert err.endswith("; replace or remove the file\n")

@@ -129,3 +129,29 @@ def test_worker_processes_give_the_same_batches():
     for (xa, ya), (xb, yb) in zip(inline, workers, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert (workers.epoch, workers.next_batch) == (2, 0)
+
+
+@pytest.mark.parametrize("message", ["cannot read image a.png (OSError: truncated); replace or remove the file",
+                                     "two\nlines: revtrain.data.errors.DatasetFormatError: inside", ""])
+def test_a_worker_error_comes_back_as_raised(message: str) -> None:
+    """torch re-raises a worker's error as its type with its traceback as the message; the loader
+    gets the original message back, of one line, several, or none."""
+    from torch._utils import ExceptionWrapper
+
+    from revtrain.data import DatasetFormatError, DatasetNotFoundError
+    from revtrain.data.loader import _unwrap_worker_error
+
+    for cls in (DatasetFormatError, DatasetNotFoundError):
+        try:
+            try:
+                raise KeyError("while handling another error")
+            except KeyError:
+                raise cls(message)
+        except cls:
+            wrapped = ExceptionWrapper(where="in DataLoader worker process 1")
+        with pytest.raises(cls) as caught:
+            wrapped.reraise()
+        assert str(caught.value).startswith(f"Caught {cls.__name__} in DataLoader worker process 1.\n")
+        original = _unwrap_worker_error(caught.value)
+        assert type(original) is cls and original is not None and str(original) == message
+    assert _unwrap_worker_error(DatasetFormatError("Caught nothing; a plain error")) is None
