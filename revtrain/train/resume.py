@@ -82,7 +82,7 @@ _STRATEGY = ("mode", "budget", "plan")
 
 _ANNOUNCED = ("epochs", "max_steps_per_epoch", "lr", "momentum", "nesterov", "weight_decay", "warmup_epochs",
               "schedule", "milestones", "gamma", "divergence_factor", "mode", "budget", "plan", "device",
-              "amp", "eval_batch_size", "grad_clip", "check_every", "engine", "data_parallel", "shard")
+              "amp", "eval_batch_size", "grad_clip", "check_every", "engine", "data_parallel", "shard", "data_dir")
 """Options whose change on resume is said out loud (the others only change outputs)."""
 
 

@@ -177,3 +177,16 @@ def test_a_read_error_in_a_worker_is_one_line_from_the_command_line(
     err = capsys.readouterr().err
     assert err.startswith(f"revtrain train: error: cannot read image {bad} (") and err.count("\n") == 1
     assert err.endswith("; replace or remove the file\n")
+
+
+def test_a_resume_on_another_data_folder_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Moving or replacing the data between two parts of a run is allowed, and said out loud."""
+    from revtrain.cli import main
+
+    first, moved = make_image_folder(tmp_path / "pics"), make_image_folder(tmp_path / "moved")
+    argv = ["train", "--dataset", "imagefolder", "--image-size", "8", "--batch-size", "4", "--device", "cpu",
+            "--no-memory-report", "--max-steps-per-epoch", "1"]
+    assert main([*argv, "--data-dir", str(first), "--epochs", "1", "--quiet", "--run-dir", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--data-dir", str(moved), "--epochs", "2", "--resume", str(tmp_path / "run")]) == 0
+    assert f"data_dir {first} -> {moved}" in capsys.readouterr().out
