@@ -136,6 +136,10 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
         if path:
             _refuse_existing(flag, Path(path), config.overwrite)
             Path(path).parent.mkdir(parents=True, exist_ok=True)  # an unwritable place fails now
+    plots_dir = Path(config.plots_dir) if config.plots_dir else Path(config.out or ".").parent
+    if config.sweep:
+        for name in SWEEP_FILES:
+            _refuse_existing("--plots-dir", plots_dir / name, config.overwrite)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     dev, dtype = resolve_device(config.device), float_dtype(config.dtype)
@@ -175,14 +179,17 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
             )
             sweep.budget_source = result.plan.budget_source
             report_sweep(sweep, out)
-            plots_dir = Path(config.plots_dir) if config.plots_dir else Path(config.out or ".").parent
             from revtrain.planner.plots import write_sweep_plots
 
-            paths = write_sweep_plots(sweep, plots_dir)
-            sweep.to_json(plots_dir / "plan_sweep.json")
-            for p in [*paths, plots_dir / "plan_sweep.json"]:
+            paths = [*write_sweep_plots(sweep, plots_dir), plots_dir / SWEEP_FILES[-1]]
+            sweep.to_json(paths[-1])
+            for p in paths:
                 say(f"wrote {p}")
     return 0
+
+
+SWEEP_FILES = ("plan_heatmap.png", "plan_step_times.png", "plan_sweep.json")
+"""What ``--sweep`` writes into ``--plots-dir`` (the PNGs are named by ``revtrain.planner.plots``)."""
 
 
 def _refuse_existing(flag: str, path: Path, overwrite: bool) -> None:

@@ -57,6 +57,14 @@ def test_plan_prints_the_report_and_writes_plan_and_figures(tiny_zoo, tmp_path, 
     # the same plan as plan.json.
     at_8 = sweep.point(8)
     assert at_8.planned and at_8.modes == plan.modes and at_8.predicted_step_time_s == plan.predicted_step_time_s
+    from revtrain.planner.command import SWEEP_FILES
+
+    assert sorted(p.name for p in (tmp_path / "figs").iterdir()) == sorted(SWEEP_FILES)
+    # Another sweep into the same --plots-dir (a new --out) replaces nothing unasked, before measuring.
+    code, out, err = run(capsys, "--model", "tiny", "--batch-size", "8", "--device", "cpu", "--out",
+                         str(tmp_path / "plan2.json"), "--sweep", "4,8", "--plots-dir", str(tmp_path / "figs"), *FAST)
+    assert code == 2 and f"--plots-dir {tmp_path / 'figs' / 'plan_heatmap.png'} exists already; nothing was measured" in err
+    assert not (tmp_path / "plan2.json").exists()
 
 
 def test_the_plan_measures_with_the_check_interval_asked(tiny_zoo, tmp_path, capsys, monkeypatch):
