@@ -44,6 +44,7 @@ from revtrain.train.checkpoint_folder import (
 )
 from revtrain.train.config import DATA_PARALLEL_REFUSES, PROCESS_LAYOUT, ConfigError, TrainConfig
 from revtrain.train.state import REQUIRED_PARTS
+from revtrain.train.user_model import with_absolute_file
 from revtrain.train.runs import (
     RUNS_ROOT,
     RunExistsError,
@@ -124,6 +125,8 @@ def resolve_run(options: Mapping[str, Any] | TrainConfig) -> ResolvedRun:
         complete = True
     else:
         given, complete = dict(options), False
+    if isinstance(given.get("model"), str):  # a file.py:factory is recorded by its absolute path
+        given["model"] = with_absolute_file(given["model"])
     resume = given.get("resume")
     notes: list[str] = []
     if resume == "auto":
@@ -244,6 +247,7 @@ def _refuse_fixed_changes(given: Mapping[str, Any], saved: Mapping[str, Any], st
         (name, given[name]) for name in _FIXED_REASONS
         if given.get(name) is not None and given[name] != was.get(name)
         and not (name == "task" and was.get(name) is None)
+        and not (name == "model" and given[name] == with_absolute_file(str(was.get(name))))
     ]
     if conflicts:
         lines = "; ".join(f"--{_flag(name)} {value} (the run used {was.get(name)!r}: {_FIXED_REASONS[name]})"

@@ -28,12 +28,25 @@ from torch import nn
 
 from revtrain.train.config import ConfigError
 
-__all__ = ["build_from_path", "is_import_path", "load_factory"]
+__all__ = ["build_from_path", "is_import_path", "load_factory", "with_absolute_file"]
 
 
 def is_import_path(name: str) -> bool:
     """Whether ``--model`` names a ``module:factory`` rather than a registered model."""
     return ":" in name
+
+
+def _is_file_module(module_name: str) -> bool:
+    return module_name.endswith(".py") or os.sep in module_name or "/" in module_name
+
+
+def with_absolute_file(name: str) -> str:
+    """``file.py:factory`` with the file's absolute path, so that a run resumed or loaded from
+    another folder finds it; a registered name or ``module:factory`` as given."""
+    module_name, _, attr = name.rpartition(":")
+    if not is_import_path(name) or not module_name or not _is_file_module(module_name):
+        return name
+    return f"{Path(module_name).expanduser().resolve()}:{attr}"
 
 
 def load_factory(path: str) -> Callable[..., nn.Module]:
@@ -47,7 +60,7 @@ def load_factory(path: str) -> Callable[..., nn.Module]:
         raise ConfigError(f"--model {path}: give a module and a factory as module:factory (my_nets:small or "
                           "my_nets.py:small), or a registered name (`revtrain models`)")
     try:
-        if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        if _is_file_module(module_name):
             file = Path(module_name).expanduser()
             if not file.is_file():
                 raise ConfigError(f"--model {path}: file {file} does not exist")

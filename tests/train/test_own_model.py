@@ -109,6 +109,13 @@ def test_resume_auto_finds_the_default_run_folder_of_a_module_factory(
     assert "resuming" in capsys.readouterr().out
     assert [p.name for p in Path("runs").iterdir()] == [run.name]
     assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    # The file is recorded by its absolute path: the run resumes and loads from any folder.
+    assert json.loads((run / "config.json").read_text())["model"] == f"{tmp_path / 'my_nets.py'}:small_revnet"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--epochs", "3", "--resume", str(tmp_path / run)]) == 0
+    assert isinstance(revtrain.load(tmp_path / run), nn.Module)
 
 
 def test_load_and_export_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
