@@ -151,7 +151,8 @@ def _new_run(given: dict[str, Any], notes: list[str]) -> ResolvedRun:
     run_dir = Path(config.run_dir) if config.run_dir else new_run_dir(run_folder_name(config.model), config.dataset)
     refuse_occupied(run_dir, overwrite=config.overwrite)  # nothing a user made is replaced unasked
     if config.overwrite and folder_entries(run_dir):
-        notes.append(f"--overwrite: starting a new run in {run_dir}; the files of the run there are replaced")
+        notes.append(f"--overwrite: starting a new run in {run_dir}; the run there is set aside until this one "
+                     "saves its first checkpoint, and put back if it never does")
     return ResolvedRun(config=config.replace(run_dir=str(run_dir)), run_dir=run_dir, notes=tuple(notes))
 
 

@@ -31,6 +31,8 @@ RUN_FILES = ("config.json", "metrics.jsonl", "plan.json", "summary.json", CHECKP
 """The files a run writes into its folder (besides the folders ``checkpoints/`` and ``tensorboard/``)."""
 RUN_FOLDERS = ("checkpoints", "tensorboard")
 """The folders a run may write into its folder: retained checkpoints, TensorBoard event files."""
+REPLACED_FOLDER = ".replaced-run"
+"""Where ``--overwrite`` keeps the run it replaces until the new run's first checkpoint."""
 
 
 class RunExistsError(RevtrainError, ValueError):
@@ -70,10 +72,13 @@ def refuse_occupied(run_dir: str | Path, *, overwrite: bool, flag: str = "--run-
             f"{flag} for a new run"
         )
     shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    aside = (f" The run an --overwrite run replaced (that run was stopped before its first checkpoint) is "
+             f"in {Path(run_dir) / REPLACED_FOLDER}: move its files back to resume it."
+             if REPLACED_FOLDER in names else "")
     raise RunExistsError(
         f"{flag} {run_dir} is not empty ({shown}) and holds no checkpoint to resume; nothing was changed. "
         f"Choose another (or an empty) {flag}, or pass --overwrite to start a new run there (the files a "
-        "run writes are replaced)"
+        "run writes are replaced)." + aside
     )
 
 
@@ -156,30 +161,67 @@ class RunFolder:
                 f"{', '.join(p.name for p in stale)}")
         return self
 
+    @property
+    def replaced_path(self) -> Path:
+        """Where ``--overwrite`` keeps the run it replaces until the new run saves a checkpoint."""
+        return self.path / REPLACED_FOLDER
+
     def replace_run(self, keep: tuple[str | Path, ...] = (), log: Callable[[str], None] = print) -> list[Path]:
-        """Remove the files of the run that was here (:func:`clear_run_files`, except ``keep``)
-        before a new run with ``--overwrite`` writes its own; returns what was removed."""
-        removed = clear_run_files(self.path, keep)
-        self._found -= {p.name for p in removed}
-        if removed:
-            log(f"--overwrite: removed {', '.join(p.name for p in removed)} from {self.path}")
-        return removed
+        """Set aside the files of the run that was here (:data:`RUN_FILES`, :data:`RUN_FOLDERS`;
+        not ``plan.json`` or ``keep``, inputs of the new run) before a new run with ``--overwrite``
+        writes its own: they move to :attr:`replaced_path` and are deleted when the new run saves
+        its first checkpoint (:meth:`release_replaced`), or put back if it never does
+        (:meth:`discard`). Returns what was set aside."""
+        backup = self.replaced_path
+        if backup.exists():
+            if not holds_run(self.path):  # a run killed before its first checkpoint: the one it
+                removed = clear_run_files(self.path, keep)  # replaced is still set aside
+                self._found -= {p.name for p in removed}
+                return removed
+            shutil.rmtree(backup)  # a newer run saved a checkpoint since: the old one is replaced
+        kept = {Path(p).resolve() for p in keep}
+        moved = [self.path / name for name in (*RUN_FILES, *RUN_FOLDERS) if name != "plan.json"
+                 and (self.path / name).exists() and (self.path / name).resolve() not in kept]
+        if moved:
+            backup.mkdir()
+            for path in moved:
+                path.rename(backup / path.name)
+            log(f"--overwrite: set aside {', '.join(p.name for p in moved)} of the run in {self.path} "
+                f"(in {backup.name}/ until this run saves its first checkpoint)")
+        self._found -= {p.name for p in moved}
+        return moved
 
-    def discard(self) -> bool:
-        """If no checkpoint was saved, remove the run files and the folders this process made.
+    def release_replaced(self) -> None:
+        """The new run saved a checkpoint: delete the run it replaced."""
+        if self.replaced_path.exists():
+            shutil.rmtree(self.replaced_path)
 
-        Returns whether anything was discarded. A folder that holds a checkpoint is left alone,
-        and so are files that were there before :meth:`open` (a plan given as input, say).
+    def discard(self) -> str | None:
+        """If no checkpoint was saved, remove the run files and the folders this process made,
+        and put back a run that ``--overwrite`` set aside.
+
+        Returns None when a checkpoint was saved (nothing is removed), else what happened:
+        ``"restored"`` (the replaced run is back), ``"removed"`` (the folder is gone) or
+        ``"cleared"`` (this run's files are gone; the folder holds other files). Files that were
+        there before :meth:`open` (a plan given as input, say) stay.
         """
         if holds_run(self.path):
-            return False
+            return None
         for name in set(RUN_FILES) - self._found:
             with suppress(FileNotFoundError):
                 (self.path / name).unlink()
         for name in set(RUN_FOLDERS) - self._found:
             shutil.rmtree(self.path / name, ignore_errors=True)
         remove_stale_temp_files(self.path, RUN_FILES)
+        backup = self.replaced_path
+        if backup.is_dir():
+            for path in backup.iterdir():
+                if not (self.path / path.name).exists():
+                    path.rename(self.path / path.name)
+            with suppress(OSError):
+                backup.rmdir()
+            return "restored"
         for folder in self._created:
             with suppress(OSError):  # not empty: someone else's files are there
                 folder.rmdir()
-        return True
+        return "cleared" if self.path.exists() else "removed"

@@ -80,6 +80,14 @@ Callback = Callable[["Trainer"], None]
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
+_DISCARDED = {
+    "removed": "the run folder {} was removed",
+    "cleared": "this run's files were removed from {}",
+    "restored": "this run's files were removed and the run that --overwrite replaced is back in {}",
+}
+"""What a run that saved no checkpoint left of its folder (``RunFolder.discard``)."""
+
+
 class Trainer:
     """Train one model on one dataset as a resolved run says.
 
@@ -490,7 +498,10 @@ class Trainer:
                 f"was written, and {self._kept_checkpoint()}. Lower --lr (now {self.config.lr:g}) or "
                 "lengthen --warmup-epochs, then start again"
             )
-        return self.checkpoints.save(state, path)
+        saved = self.checkpoints.save(state, path)
+        if self.engine.writes_files:
+            self.folder.release_replaced()  # the run --overwrite set aside is replaced now
+        return saved
 
     def _kept_checkpoint(self) -> str:
         latest = self.checkpoints.latest()
@@ -518,8 +529,9 @@ class Trainer:
         """A run that fails before its first checkpoint leaves nothing to resume: remove its files."""
         if self.metrics is not None:
             self.metrics.close()
-        if self.engine.writes_files and self.folder.discard() and say:
-            self._log(f"no checkpoint was saved, so the run folder {self.run_dir} was removed", err=True)
+        outcome = self.folder.discard() if self.engine.writes_files else None
+        if outcome is not None and say:
+            self._log(f"no checkpoint was saved, so {_DISCARDED[outcome].format(self.run_dir)}", err=True)
 
     # ------------------------------------------------------------------ modes and summary
 

@@ -28,9 +28,9 @@ from revtrain.train import (
     save_checkpoint,
 )
 from revtrain.train.config import ConfigError
-from revtrain.train.runs import find_latest_run
+from revtrain.train.runs import REPLACED_FOLDER, RunFolder, find_latest_run
 
-from .conftest import make_tiny_config
+from .conftest import interrupt_at, make_tiny_config
 
 
 def _contents(folder: Path) -> dict[str, bytes]:
@@ -59,7 +59,7 @@ def test_a_folder_with_only_metrics_is_refused_and_loses_nothing(tmp_path: Path,
     assert _contents(run) == before
 
 
-def test_overwrite_replaces_the_run_files_and_keeps_the_users_other_files(finished: Path, tmp_path: Path) -> None:
+def test_overwrite_replaces_the_run_files_and_keeps_the_users_other_contents(finished: Path, tmp_path: Path) -> None:
     import shutil
 
     run = shutil.copytree(finished, tmp_path / "run")
@@ -71,6 +71,52 @@ def test_overwrite_replaces_the_run_files_and_keeps_the_users_other_files(finish
     assert (run / "notes.txt").read_text() == "mine"
     assert (run / "checkpoint.pt").read_bytes() != old_checkpoint
     assert load_checkpoint(run / "checkpoint.pt")["config"]["seed"] == 1
+    assert not (run / REPLACED_FOLDER).exists()  # deleted once the new run saved its checkpoint
+
+
+def test_overwrite_puts_the_old_run_back_when_the_new_one_fails_before_its_first_checkpoint(
+    finished: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--overwrite sets the old run aside; a new run that fails before saving anything (at build
+    time or in its first steps) gives it back, byte for byte, and says so."""
+    import shutil
+
+    run = shutil.copytree(finished, tmp_path / "run")
+    before = _contents(run)
+    with pytest.raises(RuntimeError):
+        Trainer(make_tiny_config(run, overwrite=True), callbacks=[interrupt_at(2, RuntimeError)],
+                out=io.StringIO()).fit()
+    assert _contents(run) == before and not (run / REPLACED_FOLDER).exists()
+    assert f"the run that --overwrite replaced is back in {run}" in capsys.readouterr().err
+    with pytest.raises(ConfigError):  # fails while building (a plan that does not exist)
+        Trainer(make_tiny_config(run, overwrite=True, plan=str(tmp_path / "missing.json")), out=io.StringIO())
+    assert _contents(run) == before
+
+
+def test_a_run_killed_before_its_first_checkpoint_keeps_the_run_it_replaced_aside(
+    finished: Path, tmp_path: Path
+) -> None:
+    """A kill leaves the replaced run set aside: the next --overwrite keeps it there (the killed
+    run had no checkpoint to lose) until a run saves one."""
+    import shutil
+
+    run = shutil.copytree(finished, tmp_path / "run")
+    before = _contents(run)
+    folder = RunFolder(run).open(log=lambda line: None)
+    folder.replace_run(log=lambda line: None)  # what a killed run leaves: its start, no checkpoint
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(RunExistsError, match=f"is in {run / REPLACED_FOLDER}: move its files back to resume it"):
+        Trainer(make_tiny_config(run, epochs=1))
+    Trainer(make_tiny_config(run, epochs=1, overwrite=True, seed=1), out=io.StringIO()).fit()
+    assert not (run / REPLACED_FOLDER).exists() and load_checkpoint(run / "checkpoint.pt")["config"]["seed"] == 1
+    run2 = shutil.copytree(finished, tmp_path / "run2")
+    folder = RunFolder(run2).open(log=lambda line: None)
+    folder.replace_run(log=lambda line: None)
+    (run2 / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(RuntimeError):
+        Trainer(make_tiny_config(run2, overwrite=True), callbacks=[interrupt_at(1, RuntimeError)],
+                out=io.StringIO()).fit()
+    assert _contents(run2) == before
 
 
 def test_resuming_into_another_non_empty_folder_is_refused(finished: Path, tmp_path: Path) -> None:
