@@ -35,6 +35,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -52,6 +53,7 @@ from revtrain.memory import format_bytes
 from revtrain.tasks import add_sums
 from revtrain.compilation import compile_model
 from revtrain.train.build import build_model, fit_model_to_data, text_window
+from revtrain.train.checkpoint_folder import run_dir_of
 from revtrain.train.config import ConfigError, TrainConfig
 from revtrain.train.divergence import TrainingDivergedError, divergence_reason
 from revtrain.train.engine import Engine, LocalEngine
@@ -205,6 +207,8 @@ class Trainer:
             return
         atomic_write_text(self.run_dir / "config.json", json.dumps(self.config.to_dict(), indent=2) + "\n")
         resumed = run.state is not None
+        if resumed:
+            _carry_history(run_dir_of(run.checkpoint), self.run_dir)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl", resume_step=self.step if resumed else None,
                                      redo_epoch=self.progress.pending_eval,
                                      sinks=open_sinks(self.run_dir, tensorboard=self.config.tensorboard,
@@ -666,6 +670,16 @@ class Trainer:
     def _log(self, message: str, *, err: bool = False) -> None:
         if self.engine.writes_files:  # one process speaks for the run; a failing one raises
             tqdm.write(message, file=sys.stderr if err else self.out)
+
+
+def _carry_history(home: Path, run_dir: Path) -> None:
+    """A run resumed into another folder (a branch) starts there with the records of the run it
+    continues, so its metrics, CSV files and curves cover the whole run, not only the new part
+    (``MetricsWriter`` then drops what came after the checkpoint)."""
+    source, target = home / "metrics.jsonl", run_dir / "metrics.jsonl"
+    if source.is_file() and not target.exists() and home.resolve() != run_dir.resolve():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
 
 
 class _NoMetrics:

@@ -167,6 +167,19 @@ def test_resuming_a_finished_run_keeps_its_measured_history(finished: Path, tmp_
     assert this["steps"] == 0 and this["samples_per_s"] is None and this["train_peak_memory_bytes"] is None
 
 
+def test_a_run_resumed_into_another_folder_carries_its_history(finished: Path, tmp_path: Path) -> None:
+    """A branch (--resume A --run-dir B) starts with A's records: B's epochs.csv covers the whole
+    run, and A is left as it was."""
+    import csv
+
+    run = _copy(finished, tmp_path / "a")
+    before = (run / "metrics.jsonl").read_bytes()
+    Trainer(make_tiny_config(tmp_path / "b", epochs=3, resume=str(run)), out=io.StringIO()).fit()
+    with (tmp_path / "b" / "epochs.csv").open() as f:
+        assert [int(r["epoch"]) for r in csv.DictReader(f)] == [0, 1, 2]
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
 def test_resumed_run_totals_add_up_over_processes(interrupted: Path, tmp_path: Path) -> None:
     run = _copy(interrupted, tmp_path / "run")
     before = _state_of(run)["progress"]
