@@ -91,6 +91,12 @@ class PlanConfig(ProfileOptions):
     def __post_init__(self) -> None:
         from revtrain.models import model_info
 
+        if ":" in self.model:
+            raise PlanConfigError(
+                f"--model {self.model}: revtrain plan profiles registered models (`revtrain models`); plan your "
+                "own model in the run that trains it (revtrain train --model module:factory --budget 6GiB), or in "
+                "Python with revtrain.planner.plan_for_model(model, batch, budget)"
+            )
         spec = model_info(self.model).inputs  # an unknown model fails here, with close matches
         for name, low in (("batch_size", 1), ("confirm", 0), ("warmup", 1)):
             _at_least(self, name, low)
@@ -135,7 +141,11 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
     for flag, path in (("--out", config.out), ("--profile-out", config.profile_out)):
         if path:
             _refuse_existing(flag, Path(path), config.overwrite)
-            Path(path).parent.mkdir(parents=True, exist_ok=True)  # an unwritable place fails now
+            try:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)  # an unwritable place fails now
+            except OSError as err:
+                raise PlanConfigError(f"{flag} {path}: cannot make its folder ({err.strerror}); nothing was "
+                                      "measured. Give a path in a folder you can write to") from None
     plots_dir = Path(config.plots_dir) if config.plots_dir else Path(config.out or ".").parent
     if config.sweep:
         for name in SWEEP_FILES:

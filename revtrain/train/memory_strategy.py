@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from revtrain.core import set_modes
+from revtrain.core import reversible_blocks, set_modes
 from revtrain.models import input_spec
 from revtrain.planner import Plan, plan_for_model
 from revtrain.planner.setup import LossFn
@@ -74,6 +74,9 @@ def apply_memory_strategy(
 
 def _plan_for_budget(model: nn.Module, config: TrainConfig, batch: Batch, device: torch.device,
                      loss_fn: LossFn) -> Plan:
+    if not reversible_blocks(model):
+        raise ConfigError(f"--budget {config.budget}: {config.model} has no reversible blocks, so there is nothing to "
+                          "plan; train it without --budget, or pick a reversible model (`revtrain models`)")
     # The optimizer's state counts in the peak: plan with the run's own optimizer.
     make_optimizer = optimizer_factory(config)
     # plan_for_model leaves the model (weights, statistics, grads, modes) and the random

@@ -147,6 +147,8 @@ def test_a_budget_below_the_model_and_batch_is_refused_before_profiling(tiny_zoo
         (("--model", "tiny", "--threads", "0"), "threads"),
         (("--model", "tiny", "--check-every", "-1"), "check_every"),
         (("--model", "no_such_model",), "unknown model"),
+        (("--model", "my_nets.py:small",), "plan your own model in the run that trains it"),
+        (("--model", "tiny", "--out", "/proc/no/plan.json"), "--out /proc/no/plan.json: cannot make its folder"),
         (("--model", "revformer_tiny", "--input-shape", "3", "8", "8"), "must be 1 number(s): a sequence length"),
         (("--model", "resnext29_iabn", "--input-shape", "8"), "must be 3 number(s): sizes like 3 32 32"),
     ],

@@ -183,6 +183,11 @@ def test_bad_config_values_are_named(tiny_config: TinyConfig, overrides: dict, m
         tiny_config(**overrides)
 
 
+def test_a_budget_for_a_model_without_reversible_blocks_is_refused(tiny_config: TinyConfig) -> None:
+    with pytest.raises(ConfigError, match="--budget 1GiB: resnet32 has no reversible blocks, so there is nothing to plan"):
+        Trainer(tiny_config(model="resnet32", budget="1GiB"))
+
+
 def test_plan_for_another_batch_size_warns(tiny_config: TinyConfig, tmp_path: Path) -> None:
     plan = _plan_for("revnet38", c_blocks=0)
     plan.batch_size = 128
