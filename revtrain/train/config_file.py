@@ -68,8 +68,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
                           "options such as {\"epochs\": 5}")
     nested = [k for k, v in data.items() if isinstance(v, dict)]
     if nested:
+        hint = (f"; a run's options are in its config.json ({Path(path).with_name('config.json')})"
+                if Path(path).name == "summary.json" else "")
         raise ConfigError(f"--config {path}: options go at the top level; found the table(s) "
-                          f"{', '.join(nested)}")
+                          f"{', '.join(nested)}{hint}")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
@@ -108,7 +110,9 @@ def _checked(path: str | Path, key: str, value: Any, kind: Any) -> Any:
     """``value`` as the field's type wants it (lists become tuples), or a ConfigError naming the file."""
     if _fits(value, kind):
         return tuple(value) if isinstance(value, list) else value
-    raise ConfigError(f"--config {path}: {key} = {value!r} is not {_describe(kind)}")
+    wants_text = _fits("", kind) and isinstance(value, (int, float)) and not isinstance(value, bool)
+    hint = f'; quote it: {key} = "{value}"' if wants_text else ""  # a size such as budget = "9MiB"
+    raise ConfigError(f"--config {path}: {key} = {value!r} is not {_describe(kind)}{hint}")
 
 
 def _fits(value: Any, kind: Any) -> bool:

@@ -55,6 +55,7 @@ def test_resume_and_overwrite_are_not_read_from_a_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("text", "suffix", "message"), [
     ("epochs = 'ten'\n", ".toml", "epochs = 'ten' is not an integer"),
     ("mode = 'X'\n", ".toml", "mode = 'X' is not one of 'M', 'C'"),
+    ("budget = 9000000\n", ".toml", 'budget = 9000000 is not a string or null .unset.; quote it: budget = "9000000"'),
     ("batchsize = 3\n", ".toml", "unknown option.s. batchsize .did you mean batch_size"),
     ("epochs = \n", ".toml", "invalid TOML"),
     ('{"epochs": 2,}', ".json", "invalid JSON at line 1"),
