@@ -87,3 +87,10 @@ def test_the_shipped_recipe_is_valid() -> None:
     recipe = Path(__file__).parents[2] / "configs" / "digits-adamw.toml"
     given = merge_with_file(recipe, TrainConfig, {})
     assert TrainConfig(**given).optimizer == "adamw"
+
+
+def test_a_runs_summary_given_as_config_points_to_its_config_json(tmp_path: Path) -> None:
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"steps": 6, "this_process": {"steps": 6}}))
+    with pytest.raises(ConfigError, match=f"a run's options are in its config.json .{tmp_path / 'config.json'}"):
+        merge_with_file(summary, TrainConfig, {})
