@@ -301,10 +301,10 @@ class ResumableLoader:
             ("dataset_size", len(self.dataset)),
         ):
             if key in state and state[key] != mine:
-                raise ValueError(
-                    f"loader state was saved with {key}={state[key]} but this loader has {key}={mine}; "
-                    "resume with the same data settings as the checkpointed run"
-                )
+                what = (f"the run's data had {state[key]} samples and this data has {mine} (another --data-dir, "
+                        "or files added or removed?)" if key == "dataset_size" else
+                        f"loader state was saved with {key}={state[key]} but this loader has {key}={mine}")
+                raise ValueError(f"{what}; resume with the data and settings the run was trained with")
         self.set_epoch(int(state["epoch"]), int(state["next_batch"]))
 
     def _keys(self, epoch: int, start: int) -> list[tuple[int, int, torch.Tensor]]:

@@ -108,6 +108,9 @@ def test_state_from_another_configuration_is_refused():
         _loader(seed=0).load_state_dict(state)
     with pytest.raises(ValueError, match="batch_size"):
         _loader(batch_size=16).load_state_dict(_loader().state_dict())
+    other = {**_loader().state_dict(), "dataset_size": 9}
+    with pytest.raises(ValueError, match=r"the run's data had 9 samples and this data has \d+ \(another --data-dir"):
+        _loader().load_state_dict(other)
 
 
 def test_drop_last_and_eval_order():
