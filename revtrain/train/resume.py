@@ -286,7 +286,7 @@ def _refuse_shrinking(config: TrainConfig, state: Mapping[str, Any], path: Path)
     if config.epochs < started:
         raise ResumeConflictError(
             f"--epochs {config.epochs} is below the {started} epoch(s) that {path} has already started; "
-            f"pass --epochs {started} or more (or drop --epochs)"
+            f"pass --epochs {started if next_batch > 0 else started + 1} or more to train on (or drop --epochs)"
         )
     taken = -(-next_batch // config.accumulation)  # optimizer steps of this epoch
     if config.max_steps_per_epoch is not None and taken > config.max_steps_per_epoch:

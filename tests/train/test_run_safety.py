@@ -213,8 +213,10 @@ def test_options_that_change_the_data_or_model_are_refused_on_resume(
 
 
 def test_epochs_below_those_started_are_refused(interrupted: Path, finished: Path) -> None:
-    for run in (interrupted, finished):  # mid-epoch 2, and after epoch 2
-        with pytest.raises(ResumeConflictError, match="--epochs 1 is below the 2 epoch\\(s\\) that .* has already"):
+    # Mid-epoch 2, --epochs 2 finishes it; after epoch 2, only --epochs 3 trains on.
+    for run, fix in ((interrupted, 2), (finished, 3)):
+        with pytest.raises(ResumeConflictError, match=f"--epochs 1 is below the 2 epoch\\(s\\) that .* has already "
+                                                      f"started; pass --epochs {fix} or more to train on"):
             resolve_run({"resume": str(run), "epochs": 1})
 
 
