@@ -87,10 +87,11 @@ def step_folder(run_dir: str | os.PathLike[str], step: int) -> Path:
 
 
 def run_dir_of(checkpoint: str | os.PathLike[str]) -> Path:
-    """The run folder a checkpoint belongs to (``checkpoint.pt``'s folder; a checkpoint folder's
-    grandparent, as it lives in ``<run>/checkpoints/``)."""
+    """The run folder a checkpoint belongs to: ``checkpoint.pt``'s folder; the grandparent of
+    what lives in ``<run>/checkpoints/`` (a checkpoint folder, or a kept ``step-*.pt`` or
+    ``best.pt``)."""
     path = Path(checkpoint)
-    return path.parent.parent if path.is_dir() else path.parent
+    return path.parent.parent if path.is_dir() or path.parent.name == CHECKPOINTS_FOLDER else path.parent
 
 
 def is_checkpoint_folder(path: str | os.PathLike[str]) -> bool:

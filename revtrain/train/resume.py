@@ -206,14 +206,19 @@ def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[
             "(revtrain.load reads the weights of a run folder)"
         )
     try:
-        saved = TrainConfig.from_dict(state["config"]).to_dict()
+        recorded = dict(state["config"])
+        if recorded.get("budget") is not None or recorded.get("plan") is not None:
+            recorded["mode"] = "M"  # a plan set every block's mode; a --mode saved beside it was not used
+        saved = TrainConfig.from_dict(recorded).to_dict()
     except (ConfigError, KeyError, TypeError) as err:
         raise IncompatibleCheckpointError(f"checkpoint {path} holds a config this revtrain cannot use: {err}") from None
     _refuse_fixed_changes(given, saved, state, path)
     merged = {**{k: v for k, v in saved.items() if k not in PROCESS_LAYOUT},  # each command says how it runs
               **{k: v for k, v in given.items() if k not in ("resume", "run_dir")}}
     if not complete and any(name in given for name in _STRATEGY):  # a strategy given replaces the saved one
-        merged.update(budget=given.get("budget"), plan=given.get("plan"))
+        merged.update(mode=given.get("mode", "M"), budget=given.get("budget"), plan=given.get("plan"))
+    if given.get("model") is not None and given["model"] == with_absolute_file(str(saved["model"])):
+        merged["model"] = saved["model"]  # the run's own spelling (a file.py:factory recorded relative to its folder)
     home = run_dir_of(path)
     run_dir = Path(given["run_dir"]) if given.get("run_dir") else home
     merged.update(run_dir=str(run_dir), resume=str(path), overwrite=False)

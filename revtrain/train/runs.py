@@ -192,8 +192,9 @@ class RunFolder:
         return moved
 
     def release_replaced(self) -> None:
-        """The new run saved a checkpoint: delete the run it replaced."""
-        if self.replaced_path.exists():
+        """Delete the run ``--overwrite`` set aside once the new run holds a checkpoint in this
+        folder (a checkpoint saved elsewhere does not count)."""
+        if self.replaced_path.exists() and holds_run(self.path):
             shutil.rmtree(self.replaced_path)
 
     def discard(self) -> str | None:

@@ -120,6 +120,13 @@ def test_retention_keeps_exactly_the_last_k_and_the_best(tmp_path: Path) -> None
         assert load_checkpoint(run / "checkpoints" / name)["progress"]["step"] == int(name[5:13])
     assert load_checkpoint(run / "checkpoints" / "best.pt")["progress"]["step"] == best["step"]
     assert (run / "checkpoints" / "step-00000012.pt").read_bytes() == (run / "checkpoint.pt").read_bytes()
+    # A kept checkpoint belongs to the run: a branch from it carries the run's history up to it.
+    branch = Trainer(make_tiny_config(tmp_path / "branch", epochs=4,
+                                      resume=str(run / "checkpoints" / "step-00000009.pt")), out=io.StringIO())
+    branch.fit()
+    with (tmp_path / "branch" / "epochs.csv").open() as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [3, 6, 9, 12]
+    assert resolve_run({"resume": str(run / "checkpoints" / "best.pt")}).run_dir == run  # in place: the run's folder
 
 
 def _history(*values: float) -> list[dict[str, Any]]:

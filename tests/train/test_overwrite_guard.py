@@ -232,3 +232,20 @@ def test_a_petra_run_refuses_a_non_empty_folder(tmp_path: Path, capsys: pytest.C
     assert main(["train", "--stages", "2", "--engine", "simulator", "--run-dir", str(run), "--device", "cpu"]) == 2
     assert f"--run-dir {run} is not empty" in capsys.readouterr().err
     assert _contents(run) == {"metrics.jsonl": b"mine\n"}
+
+
+def test_a_checkpoint_saved_elsewhere_does_not_release_the_replaced_run(finished: Path, tmp_path: Path) -> None:
+    import shutil
+
+    run = shutil.copytree(finished, tmp_path / "run")
+    before = _contents(run)
+
+    def snapshot_then_fail(trainer: Trainer) -> None:
+        if trainer.step == 1:
+            trainer.save_checkpoint(tmp_path / "snapshot.pt")  # not the run folder's checkpoint
+        if trainer.step == 2:
+            raise RuntimeError("simulated")
+
+    with pytest.raises(RuntimeError):
+        Trainer(make_tiny_config(run, overwrite=True), callbacks=[snapshot_then_fail], out=io.StringIO()).fit()
+    assert (tmp_path / "snapshot.pt").is_file() and _contents(run) == before

@@ -176,3 +176,24 @@ def test_a_vit_is_built_for_the_image_size_of_the_data(name: str, tmp_path: Path
     exported = revtrain.load(tmp_path / "exported")
     torch.testing.assert_close(exported(x), model(x), rtol=0, atol=0)
     assert model(x).shape == (2, 10)
+
+
+def test_a_run_that_recorded_its_factory_file_relative_to_its_folder_still_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs recorded their file.py:factory as given (relative): from that folder, with or without
+    --model, they resume as the run they are."""
+    from revtrain.train.checkpoint import save_checkpoint
+
+    (tmp_path / "my_nets.py").write_text(MY_NETS)
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--model", "my_nets.py:small_revnet", "--image-size", "8", "--batch-size", "16",
+            "--max-steps-per-epoch", "2", "--device", "cpu", "--quiet", "--no-memory-report", "--run-dir", "run"]
+    assert main([*argv, "--epochs", "1"]) == 0
+    state = torch.load("run/checkpoint.pt", weights_only=True)
+    state["config"] = {**state["config"], "model": "my_nets.py:small_revnet"}  # as recorded before
+    state["model_name"] = "my_nets.py:small_revnet"
+    save_checkpoint({k: v for k, v in state.items() if k not in ("format", "version", "revtrain_version")},
+                    "run/checkpoint.pt")
+    assert main([*argv[:3], "--epochs", "2", "--quiet", "--no-memory-report", "--resume", "run"]) == 0
+    assert json.loads(Path("run/summary.json").read_text())["steps"] == 4

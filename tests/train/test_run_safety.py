@@ -456,3 +456,20 @@ def test_a_signal_that_lands_while_the_processes_agree_is_kept_for_the_next_agre
     with pytest.raises(TrainingInterrupted) as stopped:
         stop.check_agreed(agree)
     assert stopped.value.signum == signal.SIGTERM and handed_in == [None, signal.SIGTERM]
+
+
+def test_a_strategy_given_on_resume_replaces_the_saved_mode_and_plans_saved_beside_a_mode_resume(
+    finished: Path, tmp_path: Path
+) -> None:
+    """--budget on a C-mode run does not count the saved --mode C against it; a checkpoint that
+    recorded --mode C beside a budget (which set every block's mode) still resumes."""
+    c_run = tmp_path / "c"
+    Trainer(make_tiny_config(c_run, epochs=1, mode="C"), out=io.StringIO()).fit()
+    resolved = resolve_run({"resume": str(c_run), "budget": "1GiB", "epochs": 2})
+    assert (resolved.config.mode, resolved.config.budget) == ("M", "1GiB")
+    state = torch.load(_copy(finished, tmp_path / "old") / "checkpoint.pt", weights_only=True)
+    state["config"] = {**state["config"], "mode": "C", "budget": "1GiB"}
+    save_checkpoint({k: v for k, v in state.items() if k not in ("format", "version", "revtrain_version")},
+                    tmp_path / "old" / "checkpoint.pt")
+    resolved = resolve_run({"resume": str(tmp_path / "old"), "epochs": 3})
+    assert (resolved.config.mode, resolved.config.budget) == ("M", "1GiB")
