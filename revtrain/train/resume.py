@@ -44,7 +44,7 @@ from revtrain.train.checkpoint_folder import (
 )
 from revtrain.train.config import DATA_PARALLEL_REFUSES, PROCESS_LAYOUT, ConfigError, TrainConfig
 from revtrain.train.state import REQUIRED_PARTS
-from revtrain.train.user_model import with_absolute_file
+from revtrain.train.user_model import is_import_path, with_absolute_file
 from revtrain.train.runs import (
     RUNS_ROOT,
     RunExistsError,
@@ -170,6 +170,14 @@ def run_folder_name(model: str) -> str:
         return model
 
 
+def _same_model(recorded: str, given: str) -> bool:
+    """Whether a run that recorded ``recorded`` trained the model ``given`` names (a registered
+    name in any spelling; a factory by its module or file, wherever the file was given from)."""
+    if is_import_path(recorded) or is_import_path(given):
+        return with_absolute_file(recorded) == with_absolute_file(given)
+    return run_folder_name(recorded) == run_folder_name(given)
+
+
 def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
     """The checkpoint ``--resume auto`` means, or None (with a note saying why) for a new run."""
     defaults = TrainConfig()
@@ -182,7 +190,7 @@ def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
             return str(latest)
         notes.append(f"--resume auto: {folder} holds no checkpoint; starting a new run there")  # if empty
         return None
-    latest = find_latest_run(run_folder_name(model), dataset)
+    latest = find_latest_run(run_folder_name(model), dataset, same_model=lambda recorded: _same_model(recorded, model))
     if latest is None:
         notes.append(f"--resume auto: no run of {model} on {dataset} under {RUNS_ROOT}/; starting a new run")
         return None

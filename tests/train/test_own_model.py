@@ -197,3 +197,17 @@ def test_a_run_that_recorded_its_factory_file_relative_to_its_folder_still_resum
                     "run/checkpoint.pt")
     assert main([*argv[:3], "--epochs", "2", "--quiet", "--no-memory-report", "--resume", "run"]) == 0
     assert json.loads(Path("run/summary.json").read_text())["steps"] == 4
+
+
+def test_resume_auto_tells_two_factories_of_one_name_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "my_nets.py").write_text(MY_NETS)
+    (tmp_path / "other_nets.py").write_text(MY_NETS)
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", "--image-size", "8", "--batch-size", "16", "--max-steps-per-epoch", "2", "--epochs", "1",
+            "--device", "cpu", "--quiet", "--no-memory-report"]
+    assert main([*argv, "--model", "my_nets.py:small_revnet"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--model", "other_nets.py:small_revnet", "--resume", "auto"]) == 0
+    assert "no run of" in capsys.readouterr().out  # a new run of the other file's model
+    assert len(list(Path("runs").iterdir())) == 2
