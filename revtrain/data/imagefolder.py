@@ -170,7 +170,7 @@ def _check_readable(samples: list[tuple[str, int]]) -> None:
     Every file is decoded once, as the reader decodes it (:func:`_read_rgb`; JPEGs at reduced
     scale), since opening a file reads only its header, which a truncated file still has, and
     PIL's ``verify()`` checks PNG chunks but nothing of a JPEG's data. Costs one epoch's
-    decoding at most, once.
+    decoding at most, in every process that builds the dataset.
     """
     errors = _read_errors()
     bad = []

@@ -46,6 +46,7 @@ from revtrain.train.config import DATA_PARALLEL_REFUSES, PROCESS_LAYOUT, ConfigE
 from revtrain.train.state import REQUIRED_PARTS
 from revtrain.train.user_model import is_import_path, with_absolute_file
 from revtrain.train.runs import (
+    REPLACED_FOLDER,
     RUNS_ROOT,
     RunExistsError,
     find_latest_run,
@@ -137,10 +138,12 @@ def resolve_run(options: Mapping[str, Any] | TrainConfig) -> ResolvedRun:
     if path.is_dir() and not is_checkpoint_folder(path):
         latest = latest_checkpoint(path)
         if latest is None:
+            aside = (f". The run an --overwrite run replaced is set aside in {path / REPLACED_FOLDER}: move its "
+                     "files back to resume it" if (path / REPLACED_FOLDER).is_dir() else "")
             raise CorruptCheckpointError(
                 f"--resume {path}: the folder holds no {CHECKPOINT_NAME} and no complete checkpoint folder in "
                 f"{CHECKPOINTS_FOLDER}/ (its run stopped before its first checkpoint, or it is not a run folder); "
-                "start a new run without --resume"
+                f"start a new run without --resume{aside}"
             )
         path = latest
     return _resumed_run(given, path, complete, notes)

@@ -181,13 +181,16 @@ class RunFolder:
         """Where ``--overwrite`` keeps the run it replaces until the new run saves a checkpoint."""
         return self.path / REPLACED_FOLDER
 
-    def replace_run(self, keep: tuple[str | Path, ...] = (), log: Callable[[str], None] = print) -> list[Path]:
+    def replace_run(self, keep: tuple[str | Path, ...] = (), log: Callable[[str], None] = print, *,
+                    writes_plan: bool = False) -> list[Path]:
         """Set aside the files of the run that was here (:data:`RUN_FILES`, :data:`RUN_FOLDERS`;
-        not ``plan.json`` or ``keep``, inputs of the new run) before a new run with ``--overwrite``
-        writes its own: they move to :attr:`replaced_path` and are deleted when the new run saves
-        its first checkpoint (:meth:`release_replaced`), or put back if it never does
-        (:meth:`discard`). Returns what was set aside."""
-        backup = self.replaced_path
+        not ``keep``, inputs of the new run, nor ``plan.json`` unless the new run ``writes_plan``)
+        before a new run with ``--overwrite`` writes its own: they move to :attr:`replaced_path`
+        and are deleted when the new run saves its first checkpoint (:meth:`release_replaced`),
+        or put back if it never does (:meth:`discard`). Returns what was set aside."""
+        backup, partial = self.replaced_path, self.path / f"{REPLACED_FOLDER}.partial"
+        if partial.is_dir():  # a kill while setting a run aside: put back what had moved
+            _move_back(partial, self.path)
         if backup.exists():
             if not holds_run(self.path):  # a run killed before its first checkpoint: the one it
                 removed = clear_run_files(self.path, keep)  # replaced is still set aside
@@ -195,12 +198,13 @@ class RunFolder:
                 return removed
             shutil.rmtree(backup)  # a newer run saved a checkpoint since: the old one is replaced
         kept = {Path(p).resolve() for p in keep}
-        moved = [self.path / name for name in (*RUN_FILES, *RUN_FOLDERS) if name != "plan.json"
+        moved = [self.path / name for name in (*RUN_FILES, *RUN_FOLDERS) if (name != "plan.json" or writes_plan)
                  and (self.path / name).exists() and (self.path / name).resolve() not in kept]
         if moved:
-            backup.mkdir()
+            partial.mkdir()
             for path in moved:
-                path.rename(backup / path.name)
+                path.rename(partial / path.name)
+            partial.rename(backup)  # the whole run at once
             log(f"--overwrite: set aside {', '.join(p.name for p in moved)} of the run in {self.path} "
                 f"(in {backup.name}/ until this run saves its first checkpoint)")
         self._found -= {p.name for p in moved}
@@ -229,15 +233,20 @@ class RunFolder:
         for name in set(RUN_FOLDERS) - self._found:
             shutil.rmtree(self.path / name, ignore_errors=True)
         remove_stale_temp_files(self.path, RUN_FILES)
-        backup = self.replaced_path
-        if backup.is_dir():
-            for path in backup.iterdir():
-                if not (self.path / path.name).exists():
-                    path.rename(self.path / path.name)
-            with suppress(OSError):
-                backup.rmdir()
+        if self.replaced_path.is_dir():
+            _move_back(self.replaced_path, self.path)
             return "restored"
         for folder in self._created:
             with suppress(OSError):  # not empty: someone else's files are there
                 folder.rmdir()
         return "cleared" if self.path.exists() else "removed"
+
+
+def _move_back(aside: Path, folder: Path) -> None:
+    """Put the files set aside in ``aside`` back into ``folder`` (none is replaced), then remove
+    ``aside`` if it is empty."""
+    for path in aside.iterdir():
+        if not (folder / path.name).exists():
+            path.rename(folder / path.name)
+    with suppress(OSError):
+        aside.rmdir()

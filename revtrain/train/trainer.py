@@ -190,7 +190,8 @@ class Trainer:
 
     def _open_run(self, run: ResolvedRun) -> None:
         if run.state is None and self.config.overwrite and self.engine.writes_files:  # --overwrite: the old run's files go first
-            self.folder.replace_run(keep=(self.config.plan,) if self.config.plan else (), log=self._log)
+            self.folder.replace_run(keep=(self.config.plan,) if self.config.plan else (), log=self._log,
+                                    writes_plan=self.config.plan is not None or self.config.budget is not None)
         if run.state is not None:
             self.state.restore(run.state, run.checkpoint)  # restores the block modes the run had
             apply_hyperparameters(self.optimizer, self.scheduler, self.schedule, lr=self.config.lr,
@@ -534,7 +535,7 @@ class Trainer:
         if self.metrics is not None:
             self.metrics.close()
         outcome = self.folder.discard() if self.engine.writes_files else None
-        if outcome is not None and say:
+        if outcome is not None and (say or outcome == "restored"):  # the user was told it was set aside
             self._log(f"no checkpoint was saved, so {_DISCARDED[outcome].format(self.run_dir)}", err=True)
 
     # ------------------------------------------------------------------ modes and summary

@@ -19,6 +19,7 @@ from revtrain.cli import main
 from revtrain.data import DatasetError
 from revtrain.data.text import load_corpus
 from revtrain.train import (
+    CheckpointError,
     DiskFullError,
     IncompatibleCheckpointError,
     RunExistsError,
@@ -107,6 +108,8 @@ def test_a_run_killed_before_its_first_checkpoint_keeps_the_run_it_replaced_asid
     (run / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(RunExistsError, match=f"is in {run / REPLACED_FOLDER}: move its files back to resume it"):
         Trainer(make_tiny_config(run, epochs=1))
+    with pytest.raises(CheckpointError, match=f"set aside in {run / REPLACED_FOLDER}: move its files back"):
+        resolve_run({"resume": str(run)})
     Trainer(make_tiny_config(run, epochs=1, overwrite=True, seed=1), out=io.StringIO()).fit()
     assert not (run / REPLACED_FOLDER).exists() and load_checkpoint(run / "checkpoint.pt")["config"]["seed"] == 1
     run2 = shutil.copytree(finished, tmp_path / "run2")
@@ -249,3 +252,27 @@ def test_a_checkpoint_saved_elsewhere_does_not_release_the_replaced_run(finished
     with pytest.raises(RuntimeError):
         Trainer(make_tiny_config(run, overwrite=True), callbacks=[snapshot_then_fail], out=io.StringIO()).fit()
     assert (tmp_path / "snapshot.pt").is_file() and _contents(run) == before
+
+
+def test_set_aside_covers_the_old_plan_when_the_new_run_writes_one_and_survives_a_kill_while_moving(
+    finished: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    run = shutil.copytree(finished, tmp_path / "run")
+    (run / "plan.json").write_text("the old run's plan")
+    before = _contents(run)
+    folder = RunFolder(run).open(log=lambda line: None)
+    moved = folder.replace_run(log=lambda line: None, writes_plan=True)
+    assert "plan.json" in {p.name for p in moved} and not (run / "plan.json").exists()
+    (run / "plan.json").write_text("the new run's plan")
+    assert folder.discard() == "restored" and _contents(run) == before
+    # A kill in the middle of setting the run aside leaves part of it in the .partial folder:
+    # the next --overwrite first puts that part back, then sets the whole run aside.
+    partial = run / f"{REPLACED_FOLDER}.partial"
+    partial.mkdir()
+    (run / "metrics.jsonl").rename(partial / "metrics.jsonl")
+    folder = RunFolder(run).open(log=lambda line: None)
+    folder.replace_run(log=lambda line: None)
+    assert not partial.exists() and (run / REPLACED_FOLDER / "metrics.jsonl").is_file()
+    assert folder.discard() == "restored" and _contents(run) == before
