@@ -72,23 +72,24 @@ def launch_ranks(argv: Sequence[str], nprocs: int, *, role: Callable[[int], str]
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nprocs, run_id=f"revtrain-{uuid.uuid4().hex[:12]}",
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
                           monitor_interval=0.1, local_addr="127.0.0.1", shutdown_timeout=_SHUTDOWN_S)
-    with _launcher_state_restored():
+    with _launcher_state_restored(config.signals_to_handle):
         try:
             elastic_launch(config, entrypoint=sys.executable)("-m", "revtrain.cli", *argv)
         except ChildFailedError as err:
             raise StageFailedError(_failure_message(err, role, run)) from None
 
 
-_AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _AGENT_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 
 
 @contextlib.contextmanager
-def _launcher_state_restored() -> Iterator[None]:
+def _launcher_state_restored(signal_names: str) -> Iterator[None]:
     """Give the caller back what the agent changes for good: its handlers of the signals it
-    forwards to the ranks, and the environment variable that names them (a notebook or a test
-    that ran a multi-process run in-process keeps its own Ctrl-C)."""
-    signals = [getattr(signal, name) for name in _AGENT_SIGNALS if hasattr(signal, name)]
+    forwards to the ranks (``signal_names``, the launch config's ``signals_to_handle``), and the
+    environment variable that names them (a notebook or a test that ran a multi-process run
+    in-process keeps its own Ctrl-C)."""
+    names = [name.strip() for name in signal_names.split(",")]
+    signals = [getattr(signal, name) for name in names if hasattr(signal, name)]
     handlers = [(sig, signal.getsignal(sig)) for sig in signals]
     env = os.environ.get(_AGENT_ENV)
     try:

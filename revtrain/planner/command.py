@@ -148,8 +148,8 @@ def run_plan(config: PlanConfig, *, out: TextIO | None = None) -> int:
                                       "measured. Give a path in a folder you can write to") from None
     plots_dir = Path(config.plots_dir) if config.plots_dir else Path(config.out or ".").parent
     if config.sweep:
-        for name in SWEEP_FILES:
-            _refuse_existing("--plots-dir", plots_dir / name, config.overwrite)
+        for name in SWEEP_FILES:  # --plots-dir, or --out's folder
+            _refuse_existing("--plots-dir" if config.plots_dir else "--sweep", plots_dir / name, config.overwrite)
     if config.threads is not None:
         torch.set_num_threads(config.threads)
     dev, dtype = resolve_device(config.device), float_dtype(config.dtype)
