@@ -181,6 +181,10 @@ def _same_model(recorded: str, given: str) -> bool:
     return run_folder_name(recorded) == run_folder_name(given)
 
 
+def _same_path(a: str, b: str) -> bool:
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
 def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
     """The checkpoint ``--resume auto`` means, or None (with a note saying why) for a new run."""
     defaults = TrainConfig()
@@ -193,16 +197,24 @@ def _auto_checkpoint(given: Mapping[str, Any], notes: list[str]) -> str | None:
             return str(latest)
         notes.append(f"--resume auto: {folder} holds no checkpoint; starting a new run there")  # if empty
         return None
-    latest = find_latest_run(run_folder_name(model), dataset, same_model=lambda recorded: _same_model(recorded, model))
+    data_dir = given.get("data_dir")
+
+    def same_run(recorded: dict[str, Any]) -> bool:  # what a config cannot tell counts as the same
+        if recorded.get("model") is not None and not _same_model(str(recorded["model"]), model):
+            return False
+        return data_dir is None or recorded.get("data_dir") is None or _same_path(recorded["data_dir"], data_dir)
+
+    latest = find_latest_run(run_folder_name(model), dataset, accept=same_run)
+    source = f" from {data_dir}" if data_dir is not None else ""
     if latest is None:
-        notes.append(f"--resume auto: no run of {model} on {dataset} under {RUNS_ROOT}/; starting a new run")
+        notes.append(f"--resume auto: no run of {model} on {dataset}{source} under {RUNS_ROOT}/; starting a new run")
         return None
     if not holds_run(latest):
         notes.append(f"--resume auto: the latest run of {model} on {dataset}, {latest}, stopped before its "
                      "first checkpoint, so there is nothing to resume; starting a new run (pass --resume "
                      "<folder> to continue an older run)")
         return None
-    notes.append(f"--resume auto: resuming {latest}, the latest run of {model} on {dataset}")
+    notes.append(f"--resume auto: resuming {latest}, the latest run of {model} on {dataset}{source}")
     return str(latest_checkpoint(latest))
 
 

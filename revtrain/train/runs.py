@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 from revtrain.errors import RevtrainError
 from revtrain.train.checkpoint import CHECKPOINT_NAME
@@ -107,12 +108,13 @@ def run_name_spellings(model: str) -> list[str]:
     return list(dict.fromkeys((model, model.replace("-", "_"), model.replace("_", "-"))))
 
 
-def _recorded_model(folder: Path) -> str | None:
-    """The model a run folder's ``config.json`` names, or None when it cannot be read."""
+def _recorded_config(folder: Path) -> dict[str, Any] | None:
+    """A run folder's ``config.json``, or None when it cannot be read."""
     try:
-        return str(json.loads((folder / "config.json").read_text(encoding="utf-8"))["model"])
-    except (OSError, ValueError, KeyError, TypeError):
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return None
+    return config if isinstance(config, dict) else None
 
 
 def new_run_dir(model: str, dataset: str, root: Path = RUNS_ROOT) -> Path:
@@ -126,21 +128,21 @@ def new_run_dir(model: str, dataset: str, root: Path = RUNS_ROOT) -> Path:
 
 
 def find_latest_run(model: str, dataset: str, root: Path = RUNS_ROOT,
-                    same_model: Callable[[str], bool] | None = None) -> Path | None:
+                    accept: Callable[[dict[str, Any]], bool] | None = None) -> Path | None:
     """The run folder of ``model`` on ``dataset`` under ``root`` that was active last, or None.
 
     A folder counts if it holds any run file; "active last" is the newest modification time
     among its run files (a run that is resumed becomes the latest again). The latest run may
     have no checkpoint (it was killed before its first save): callers say so rather than
-    silently picking an older run. ``same_model`` tells whether a run's recorded model (its
-    ``config.json``) is the one asked for, where folder names alone cannot (two factories of
-    one name in two files).
+    silently picking an older run. ``accept`` tells whether a run's recorded options (its
+    ``config.json``) are the run asked for, where folder names alone cannot tell (two factories
+    of one name in two files, two data folders); a folder whose config cannot be read counts.
     """
     latest: tuple[float, Path] | None = None
     folders = {f for name in run_name_spellings(model) for f in root.glob(f"{glob.escape(name)}-{glob.escape(dataset)}-*")}
     for folder in sorted(folders):
-        recorded = _recorded_model(folder) if same_model is not None else None
-        if recorded is not None and not same_model(recorded):  # type: ignore[misc]
+        recorded = _recorded_config(folder) if accept is not None else None
+        if recorded is not None and not accept(recorded):  # type: ignore[misc]
             continue
         times = [(folder / name).stat().st_mtime for name in RUN_FILES if (folder / name).is_file()]
         if folder.is_dir() and times and (latest is None or max(times) > latest[0]):

@@ -190,3 +190,23 @@ def test_a_resume_on_another_data_folder_says_so(tmp_path: Path, capsys: pytest.
     capsys.readouterr()
     assert main([*argv, "--data-dir", str(moved), "--epochs", "2", "--resume", str(tmp_path / "run")]) == 0
     assert f"data_dir {first} -> {moved}" in capsys.readouterr().out
+
+
+def test_resume_auto_takes_the_latest_run_on_the_data_folder_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from revtrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    first, second = make_image_folder(tmp_path / "pics"), make_image_folder(tmp_path / "more", per_class=4)
+    argv = ["train", "--dataset", "imagefolder", "--image-size", "8", "--batch-size", "4", "--device", "cpu",
+            "--no-memory-report", "--max-steps-per-epoch", "1", "--quiet"]
+    assert main([*argv, "--data-dir", str(first), "--epochs", "1", "--run-dir", "runs/revnet38-imagefolder-a"]) == 0
+    assert main([*argv, "--data-dir", str(second), "--epochs", "1", "--run-dir", "runs/revnet38-imagefolder-b"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--data-dir", str(first), "--epochs", "2", "--resume", "auto"]) == 0  # not b, the latest
+    assert f"resuming runs/revnet38-imagefolder-a, the latest run of revnet38 on imagefolder from {first}" \
+        in capsys.readouterr().out
+    third = make_image_folder(tmp_path / "other")
+    assert main([*argv, "--data-dir", str(third), "--epochs", "1", "--resume", "auto"]) == 0
+    assert f"no run of revnet38 on imagefolder from {third}" in capsys.readouterr().out
