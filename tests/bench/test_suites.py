@@ -165,3 +165,16 @@ def test_compile_reads_the_gain_and_compilation_time_from_the_two_runs(tmp_path:
     assert commands[0].endswith("--no-compile") and commands[1].endswith("--compile")
     assert math.isclose(compiled["gain"], 2.1 / 1.1) and math.isclose(compiled["compile_s"], 30.0 - 1.1)
     assert eager["epoch1_s"] == 4.0 and compiled["test_accuracy"] == 0.5
+
+
+def test_core_parts_merge_by_shape_and_method(tmp_path: Path) -> None:
+    """A suite run in parts (--merge), one method per part: every part's rows stay."""
+    def part(*methods: str):
+        options = BenchOptions(quick=True, device="cpu", out=str(tmp_path / "core"), shapes=("2x8x4x2",),
+                               repeats=2, warmup=0, merge=True, methods=methods)
+        return run_suite("core", options, log=lambda _: None)[0]
+
+    part("plain", "M")
+    report = part("plain", "C")
+    assert sorted(r["method"] for r in report.table("steps").rows) == ["C", "M", "plain"]
+    assert sorted(r["versus"] for r in report.table("m_versus").rows) == ["plain"]

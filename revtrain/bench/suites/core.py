@@ -83,6 +83,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
               f"same batch. Time × plain: median of the per-round ratios over {repeats} rounds [interval of "
               f"{coverage:.1%}]. Peak: tensor bytes of one step, parameter gradients included (CPU: dispatch tracker; "
               "CUDA: allocator). Grad rel. err: ||g − g_plain|| / ||g_plain|| over all gradients, checked before timing."),
+        merge_key=("shape", "method"),  # a part run with other --methods adds its rows
     )
     versus_table = Table(
         "m_versus", "M-mode head to head", [Column("shape", "batch×ch×size×depth"), Column("versus", "against"),
@@ -91,6 +92,7 @@ def run(options, device: torch.device, out: Path, log) -> Report:
         note=("Per-round ratio of M-mode's step to the other method's (both timed in the same round"
               + (f", totals over blocks of {block} rounds" if block > 1 else "") + "): *faster* / *slower* where the "
               "whole interval lies below / above 1."),
+        merge_key=("shape", "versus"),
     )
     return Report("core", "Core: a reversible stack, every method × shapes", {}, [step_table, versus_table],
                   intro=_INTRO, notes=notes)
