@@ -53,14 +53,17 @@ def synthetic(*, image_size: int | None = None, input_shape: tuple[int, ...] | N
         raise ValueError("the 'synthetic' dataset has no augmentation; leave augment unset")
     if image_size is not None and input_shape is not None:
         raise ValueError("give either image_size or input_shape for 'synthetic', not both")
-    shape = input_shape or (3, image_size or 32, image_size or 32)
-    return build_synthetic(input_shape=shape, num_classes=num_classes or 10, train_size=train_size or 1024,
-                           test_size=test_size or 256, seed=seed)
+    side = 32 if image_size is None else image_size  # a 0 given is refused below, not replaced
+    shape = input_shape if input_shape is not None else (3, side, side)
+    return build_synthetic(input_shape=shape, num_classes=10 if num_classes is None else num_classes,
+                           train_size=1024 if train_size is None else train_size,
+                           test_size=256 if test_size is None else test_size, seed=seed)
 
 
 @register_dataset("text", description="bytes of local text files (default: the Python standard library's sources)")
 def text(*, data_dir: PathLike = None, context: int | None = None, augment: bool | None = None) -> DatasetSplits:
-    return build_text(data_dir, context=context or 128, augment=True if augment is None else augment)
+    return build_text(data_dir, context=128 if context is None else context,
+                      augment=True if augment is None else augment)
 
 
 @register_dataset("imagefolder", description="your images: --data-dir D with D/train/<class>/ and D/val/<class>/")

@@ -37,7 +37,7 @@ def generate(
     Args:
         model: Maps ids ``(B, T)`` to logits ``(B, T, vocab)``. Run in eval mode without
             gradients; its training mode is restored afterwards.
-        prompt: The ids to continue, at least one.
+        prompt: The ids of one sequence to continue (1-D or ``1 x T``), at least one.
         length: How many ids to generate.
         temperature: Divides the logits; ``0`` picks the most likely id (greedy).
         top_k: Sample only among the ``top_k`` most likely ids.
@@ -48,7 +48,11 @@ def generate(
     Returns:
         The generated ids, int64 ``(length,)``, on the CPU.
     """
-    ids = torch.as_tensor(prompt, dtype=torch.int64).flatten().cpu()
+    ids = torch.as_tensor(prompt, dtype=torch.int64)
+    if ids.dim() > 1 and (ids.dim() > 2 or ids.shape[0] != 1):
+        raise ValueError(f"generate continues one prompt; got ids of shape {tuple(ids.shape)}: pass one sequence "
+                         "(1-D, or 1 x T) and call it once per prompt")
+    ids = ids.flatten().cpu()
     if ids.numel() == 0:
         raise ValueError("the prompt is empty; give at least one token to continue (e.g. a newline)")
     if length < 0:

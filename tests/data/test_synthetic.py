@@ -40,3 +40,12 @@ def test_rejects_bad_arguments():
         make_synthetic(4, (), 2)
     with pytest.raises(ValueError, match="num_classes"):
         make_synthetic(4, (3,), 0)
+
+
+
+@pytest.mark.parametrize("options", [dict(num_classes=0), dict(image_size=0), dict(train_size=0)])
+def test_a_zero_is_refused_not_replaced_by_the_default(options: dict) -> None:
+    from revtrain.data import build_dataloaders
+
+    with pytest.raises(ValueError, match=">= 1|positive"):
+        build_dataloaders("synthetic", batch_size=2, **options)

@@ -136,6 +136,10 @@ def test_too_little_text_for_one_window(tmp_path):
         build_text(tmp_path, context=16)
     with pytest.raises(ValueError, match="context must be >= 1"):
         ByteWindows(torch.zeros(10, dtype=torch.uint8), 0, random_offset=False)
+    from revtrain.data import build_dataloaders
+
+    with pytest.raises(ValueError, match="context must be >= 1"):  # not replaced by the default of 128
+        build_dataloaders("text", batch_size=2, data_dir=str(tmp_path), context=0)
 
 
 def test_dataset_factory_builds_text_loaders(tmp_path):

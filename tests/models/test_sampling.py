@@ -54,6 +54,7 @@ def test_only_the_last_context_tokens_are_seen(model):
     (dict(prompt=[1], length=-1), "length"),
     (dict(prompt=[1], length=3, temperature=-1.0), "temperature"),
     (dict(prompt=[1], length=3, top_k=0), "top_k"),
+    (dict(prompt=torch.tensor([[100, 101], [1, 2]]), length=3), r"one prompt; got ids of shape \(2, 2\)"),
 ])
 def test_bad_arguments(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
