@@ -65,3 +65,8 @@ def __getattr__(name: str) -> object:
 
         return {"load": load, "export": export}[name]
     raise AttributeError(f"module 'revtrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """What ``dir(revtrain)`` and ``help`` list: the public names, the lazy ones included."""
+    return sorted(set(globals()) | set(__all__))

@@ -87,7 +87,8 @@ def plan_segments(stage: Stage, input_buffer: str) -> list[Segment]:
             raise PipelineConfigError(
                 f"stage {stage.index} holds non-reversible units ({', '.join(fixed[:3])}"
                 f"{', ...' if len(fixed) > 3 else ''}), whose inputs cannot be rebuilt: it cannot run "
-                "without an input buffer; use input_buffer='needed' (keep only those inputs)"
+                "without an input buffer; use --input-buffer needed (input_buffer='needed' in Python: keep only "
+                "those inputs)"
             )
     segments: list[Segment] = []
     for u in units:

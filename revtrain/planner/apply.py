@@ -60,7 +60,8 @@ def apply_plan(plan: PlanChoices, model: Any) -> Any:
             origin = f" (it was made for {plan.model!r}{at})"
         raise PlanMismatchError(
             "plan does not match the model: " + "; ".join(parts) + ". The plan was probably "
-            f"made for another model{origin}; profile and plan this model again."
+            f"made for another model{origin}; profile and plan this model again"
+            + (f", or train the model it was made for (--model {plan.model})." if plan.model else ".")
         )
     set_modes(model, dict(plan.modes))
     set_layer_options(model, {name: plan.layers.get(name, "keep") for name in plain})

@@ -272,7 +272,7 @@ def test_apply_to_another_model_names_the_difference():
     msg = str(info.value)
     assert "1 block(s) in the plan are not in the model: ['stages.1.2']" in msg
     assert "1 reversible block(s) of the model are not in the plan: ['stages.9.0']" in msg
-    assert "made for another model (it was made for 'revnet-toy' at batch size 64)" in msg
+    assert "made for another model (it was made for 'revnet-toy' at batch size 64); profile and plan this model again, or train the model it was made for (--model revnet-toy)." in msg
     assert get_modes(model) == before  # nothing changed
 
 
