@@ -33,18 +33,26 @@ from revtrain.core import Invertible
 __all__ = ["replicate", "shard", "full_grads", "full_state_dict", "load_full_state_dict"]
 
 
-def replicate(model: nn.Module, device: torch.device | None = None, **ddp_options: Any) -> nn.Module:
+def replicate(model: nn.Module, device: torch.device | None = None, *, sync_buffers: bool = True,
+              **ddp_options: Any) -> nn.Module:
     """``DistributedDataParallel(model)`` (the process group must be initialised).
 
     Args:
         model: The model, on this rank's device.
         device: This rank's CUDA device (``device_ids=[device]``); None on CPU.
+        sync_buffers: Whether DDP copies rank 0's buffers to every rank at each forward
+            (``forward_sync_buffers``; ``broadcast_buffers`` before torch 2.13, which it deprecates).
         **ddp_options: Passed to ``DistributedDataParallel``.
     """
+    import inspect
+
     from torch.nn.parallel import DistributedDataParallel
 
     if device is not None and device.type == "cuda":
         ddp_options.setdefault("device_ids", [device])
+    if not sync_buffers:
+        takes = inspect.signature(DistributedDataParallel.__init__).parameters
+        ddp_options["forward_sync_buffers" if "forward_sync_buffers" in takes else "broadcast_buffers"] = False
     return DistributedDataParallel(model, **ddp_options)
 
 

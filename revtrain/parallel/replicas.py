@@ -83,7 +83,7 @@ class DataParallelEngine(GradientEngine):
             self.wrapped = trainer.model
         else:  # buffers are averaged after each step instead of broadcast from rank 0 (average_buffers)
             self.wrapped = replicate(trainer.model, trainer.device if trainer.device.type == "cuda" else None,
-                                     broadcast_buffers=False)
+                                     sync_buffers=False)
 
     def _check_slices(self, trainer: TrainerView) -> None:
         c, info = trainer.config, trainer.data_info
