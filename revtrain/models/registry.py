@@ -156,8 +156,9 @@ def create_model(name: str, **overrides: object) -> nn.Module:
 
     Args:
         name: A name from :func:`list_models`.
-        **overrides: Passed to the variant function; every zoo model accepts
-            ``num_classes`` and ``in_channels``.
+        **overrides: Passed to the variant function: every image model accepts
+            ``num_classes`` and ``in_channels``, every language model ``vocab_size`` and
+            ``context`` (:data:`MODEL_OVERRIDES` says which a kind of input gets).
 
     Raises:
         ValueError: ``name`` is not registered; the message lists close matches.

@@ -61,8 +61,9 @@ class ViTConfig:
                 raise ValueError(f"ViTConfig.{name} must be a positive integer, got {value!r}")
         if self.image_size % self.patch_size:
             raise ValueError(
-                f"patch_size={self.patch_size} does not divide image_size={self.image_size}; "
-                "pick a patch size that tiles the image"
+                f"patch_size={self.patch_size} does not divide image_size={self.image_size}; use an image size "
+                f"that is a multiple of {self.patch_size} (or build the model from a ViTConfig whose patch size "
+                "tiles the image)"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
