@@ -289,8 +289,11 @@ def build_text(
         train_end, valid_end = round(0.9 * n), round(0.95 * n)
     else:
         train_end, valid_end = n - round(valid_fraction * n), n
-    train = ByteWindows(corpus.data[:train_end], context, random_offset=augment)
-    valid = ByteWindows(corpus.data[train_end:valid_end], context, random_offset=False)
+    try:
+        train = ByteWindows(corpus.data[:train_end], context, random_offset=augment)
+        valid = ByteWindows(corpus.data[train_end:valid_end], context, random_offset=False)
+    except DatasetError as err:
+        raise DatasetError(f"{corpus.root}: {err}") from None
     info = DatasetInfo(name="text", input_shape=(context,), num_classes=VOCAB_SIZE,
                        train_size=len(train), test_size=len(valid))
     return DatasetSplits(train=train, test=valid, info=info)  # type: ignore[arg-type]

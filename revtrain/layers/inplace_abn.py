@@ -351,9 +351,9 @@ def _check_config(num_features: int, slope: float, eps: float, momentum: float |
         raise ValueError(f"num_features must be a positive int, got {num_features!r}")
     if not isinstance(slope, (int, float)) or not math.isfinite(slope) or slope <= 0:
         raise ReversibilityError(
-            f"the leaky ReLU slope must be a finite number > 0, got {slope!r}: with slope 0 (a "
-            "ReLU) every negative value maps to 0 and the input cannot be rebuilt; use e.g. "
-            "slope=0.01 (In-place ABN's default)"
+            f"the leaky ReLU slope must be a finite number > 0, got {slope!r}: only a positive slope maps "
+            "negative values one to one (slope 0, a ReLU, maps them all to 0), so that the input can be "
+            "rebuilt; use e.g. slope=0.01 (In-place ABN's default)"
         )
     if not isinstance(eps, (int, float)) or not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps!r}")

@@ -63,7 +63,8 @@ def generate(
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     context = context or getattr(model, "context", None)
     if not context:
-        raise ValueError("the model has no `context` attribute; pass context= (its longest input)")
+        raise ValueError("the model has no `context` attribute: is it a language model (`revtrain models`)? "
+                         "For one of your own, pass context= (its longest input)")
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -116,8 +116,8 @@ def export(source: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, o
     state = read_checkpoint(ckpt)
     existing = [out / n for n in (WEIGHTS_NAME, RECIPE_NAME) if (out / n).exists()]
     if existing and not overwrite:
-        raise FileExistsError(f"{existing[0]} exists already; pass --overwrite to replace the export in {out}, "
-                              "or choose another --out")
+        raise FileExistsError(f"{existing[0]} exists already; pass --overwrite (overwrite=True in Python) to "
+                              f"replace the export in {out}, or choose another --out")
     weights = _unshared(state["model"])
     atomic_write(out / WEIGHTS_NAME, lambda f: f.write(safetensors_bytes(weights, metadata={"format": "pt"})),
                  what="exported weights")

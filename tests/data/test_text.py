@@ -132,7 +132,7 @@ def test_an_unreadable_file_is_named(tmp_path, monkeypatch):
 
 def test_too_little_text_for_one_window(tmp_path):
     _write(tmp_path, {"t.txt": b"x" * 20})
-    with pytest.raises(DatasetError, match="too short for one window of 16 tokens"):
+    with pytest.raises(DatasetError, match=f"{tmp_path}: a split of .* bytes is too short for one window of 16 tokens"):
         build_text(tmp_path, context=16)
     with pytest.raises(ValueError, match="context must be >= 1"):
         ByteWindows(torch.zeros(10, dtype=torch.uint8), 0, random_offset=False)

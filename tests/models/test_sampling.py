@@ -79,3 +79,10 @@ def test_a_trained_model_continues_the_text_it_learned():
         optimizer.step()
     assert loss.item() < 0.1
     assert sample_text(model, "hello w", 18, temperature=0) == "hello world! hello world!"
+
+
+def test_a_model_without_a_context_is_asked_whether_it_is_a_language_model():
+    from revtrain.models import create_model
+
+    with pytest.raises(ValueError, match="no `context` attribute: is it a language model"):
+        generate(create_model("revnet38"), [1, 2], 3)

@@ -139,7 +139,7 @@ def test_load_and_export_round_trip(tmp_path: Path, capsys: pytest.CaptureFixtur
     with torch.no_grad():
         torch.testing.assert_close(from_export(x), from_run(x), rtol=0, atol=0)
     assert main(["export", str(run), "--out", str(tmp_path / "exported")]) == 2
-    assert "exists already; pass --overwrite" in capsys.readouterr().err
+    assert "exists already; pass --overwrite (overwrite=True in Python)" in capsys.readouterr().err
     assert main(["export", str(run), "--out", str(tmp_path / "exported"), "--overwrite"]) == 0
 
 
