@@ -158,6 +158,7 @@ def run_suite(name: str, options: BenchOptions, *, command: str | None = None, l
         else:
             suffix = module.report_suffix(options) if hasattr(module, "report_suffix") else ""
             out = Path("results") / ("tmp" if options.quick else "") / f"{name}_{label}{suffix}"
+        _refuse_foreign_merge(options, out, name, label)  # before measuring, not after
         log(f"revtrain bench {name}: {device} ({before.get('gpu') or before['cpu']}), load average "
             f"{before['load_average']}")
         start = time.perf_counter()
@@ -189,6 +190,18 @@ def run_suite(name: str, options: BenchOptions, *, command: str | None = None, l
     paths = write_report(report, out, json_too=options.json or options.merge)
     log("wrote " + ", ".join(str(p) for p in paths))
     return report, paths
+
+
+def _refuse_foreign_merge(options: BenchOptions, out: Path, name: str, label: str) -> None:
+    """``--merge`` into the report of another suite or device fails now, before the suite runs."""
+    previous = out.with_name(out.name + ".json")
+    if not (options.merge and previous.exists()):
+        return
+    held = read_report(previous)
+    for what, a, b in (("suite", held.suite, name), ("device", held.header.get("device_label"), label)):
+        if a != b:
+            raise ValueError(f"cannot merge a report of {what} {b!r} into one of {what} {a!r} ({previous}); nothing "
+                             "was measured. Give --out a report of the same suite and device, or leave --merge out")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -178,3 +178,19 @@ def test_core_parts_merge_by_shape_and_method(tmp_path: Path) -> None:
     report = part("plain", "C")
     assert sorted(r["method"] for r in report.table("steps").rows) == ["C", "M", "plain"]
     assert sorted(r["versus"] for r in report.table("m_versus").rows) == ["plain"]
+
+
+def test_a_merge_into_another_suites_report_is_refused_before_measuring(tmp_path: Path, monkeypatch) -> None:
+
+    out = str(tmp_path / "report")
+    run_suite("core", BenchOptions(quick=True, device="cpu", out=out, shapes=("2x8x4x2",), repeats=2, warmup=0,
+                                   methods=("plain", "M"), merge=True), log=lambda _: None)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("measured before the merge was checked")
+
+    from revtrain.bench.suites import inplace_abn
+    monkeypatch.setattr(inplace_abn, "run", must_not_run)
+    with pytest.raises(ValueError, match="cannot merge a report of suite 'inplace_abn' into one of suite 'core'.*"
+                                         "nothing was measured"):
+        run_suite("inplace_abn", BenchOptions(quick=True, device="cpu", out=out, merge=True), log=lambda _: None)
