@@ -235,13 +235,13 @@ def _resumed_run(given: dict[str, Any], path: Path, complete: bool, notes: list[
         saved = TrainConfig.from_dict(recorded).to_dict()
     except (ConfigError, KeyError, TypeError) as err:
         raise IncompatibleCheckpointError(f"checkpoint {path} holds a config this revtrain cannot use: {err}") from None
+    if given.get("model") is not None and given["model"] == with_absolute_file(str(saved["model"])):
+        given["model"] = saved["model"]  # the run's own spelling (a file.py:factory recorded relative to its folder)
     _refuse_fixed_changes(given, saved, state, path)
     merged = {**{k: v for k, v in saved.items() if k not in PROCESS_LAYOUT},  # each command says how it runs
               **{k: v for k, v in given.items() if k not in ("resume", "run_dir")}}
     if not complete and any(name in given for name in _STRATEGY):  # a strategy given replaces the saved one
         merged.update(mode=given.get("mode", "M"), budget=given.get("budget"), plan=given.get("plan"))
-    if given.get("model") is not None and given["model"] == with_absolute_file(str(saved["model"])):
-        merged["model"] = saved["model"]  # the run's own spelling (a file.py:factory recorded relative to its folder)
     home = run_dir_of(path)
     run_dir = Path(given["run_dir"]) if given.get("run_dir") else home
     merged.update(run_dir=str(run_dir), resume=str(path), overwrite=False)
@@ -276,7 +276,6 @@ def _refuse_fixed_changes(given: Mapping[str, Any], saved: Mapping[str, Any], st
         (name, given[name]) for name in _FIXED_REASONS
         if given.get(name) is not None and given[name] != was.get(name)
         and not (name == "task" and was.get(name) is None)
-        and not (name == "model" and given[name] == with_absolute_file(str(was.get(name))))
     ]
     if conflicts:
         lines = "; ".join(f"--{_flag(name)} {value} (the run used {was.get(name)!r}: {_FIXED_REASONS[name]})"
