@@ -27,7 +27,7 @@ from typing import Any
 from revtrain.memory import format_bytes
 from revtrain.timing import MedianInterval
 
-__all__ = ["Column", "Table", "Report", "write_report", "render_markdown", "interval_cells", "merge_reports",
+__all__ = ["Column", "Table", "Report", "write_report", "render_markdown", "interval_cells", "merge_reports", "refuse_foreign_merge",
            "read_report", "HEADER_KEYS"]
 
 HEADER_KEYS = ("suite", "device", "hardware", "torch", "threads", "date", "command", "load_before",
@@ -224,6 +224,15 @@ def read_report(path: Path) -> Report:
                   appendix=data.get("appendix", ""))
 
 
+def refuse_foreign_merge(old: Report, suite: str, device_label: Any, where: str = "") -> None:
+    """Raise ``ValueError`` unless a report of ``suite`` on ``device_label`` may merge into ``old``
+    (``where``: what the message adds, e.g. the file and what was not done)."""
+    for what, a, b in (("suite", old.suite, suite), ("device", old.header.get("device_label"), device_label)):
+        if a != b:
+            raise ValueError(f"cannot merge a report of {what} {b!r} into one of {what} {a!r}{where}; give --out a "
+                             "report of the same suite and device, or leave --merge out")
+
+
 def merge_reports(old: Report, new: Report) -> Report:
     """``new`` folded into ``old``: per table, a row of ``new`` replaces the rows of ``old`` with the
     same values in the table's key columns (:attr:`Table.merge_key`; by default the first column:
@@ -233,11 +242,7 @@ def merge_reports(old: Report, new: Report) -> Report:
     per-model notes); the header is ``new``'s with ``parts`` listing every part
     (:data:`PART_KEYS`). Where ``new`` replaces every row ``old`` held, the result is ``new``
     alone. Raises ``ValueError`` for reports of two suites or devices."""
-    for what, a, b in (("suite", old.suite, new.suite),
-                       ("device", old.header.get("device_label"), new.header.get("device_label"))):
-        if a != b:
-            raise ValueError(f"cannot merge a report of {what} {b!r} into one of {what} {a!r}; give --out a report "
-                             "of the same suite and device, or leave --merge out")
+    refuse_foreign_merge(old, new.suite, new.header.get("device_label"))
     fresh = {t.name: t for t in new.tables}
     tables = []
     old_left = 0  # rows of old that stay

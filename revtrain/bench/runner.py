@@ -36,7 +36,7 @@ import torch
 
 from revtrain.bench.machine import BUSY_LOAD_PER_CORE, machine_info
 from revtrain.core.checks import FIRST_CHECKS
-from revtrain.bench.report import Report, merge_reports, read_report, write_report
+from revtrain.bench.report import Report, merge_reports, read_report, refuse_foreign_merge, write_report
 from revtrain.device import resolve_device
 
 __all__ = ["SUITES", "BenchOptions", "add_arguments", "device_label", "main", "run_suite", "suite_module"]
@@ -158,7 +158,7 @@ def run_suite(name: str, options: BenchOptions, *, command: str | None = None, l
         else:
             suffix = module.report_suffix(options) if hasattr(module, "report_suffix") else ""
             out = Path("results") / ("tmp" if options.quick else "") / f"{name}_{label}{suffix}"
-        _refuse_foreign_merge(options, out, name, label)  # before measuring, not after
+        held = _merge_target(options, out, name, label)  # checked before measuring, not after
         log(f"revtrain bench {name}: {device} ({before.get('gpu') or before['cpu']}), load average "
             f"{before['load_average']}")
         start = time.perf_counter()
@@ -182,8 +182,8 @@ def run_suite(name: str, options: BenchOptions, *, command: str | None = None, l
         report.notes.append(f"the machine was busy (1-minute load average {loads}, the run's own threads "
                             f"{before['torch_threads']}, {cores} cores): read the ratios, not the times")
     previous = out.with_name(out.name + ".json")
-    if options.merge and previous.exists():
-        report = merge_reports(read_report(previous), report)
+    if held is not None:
+        report = merge_reports(held, report)
         parts = report.header.get("parts")
         log(f"merged into {previous}: {len(parts)} parts" if parts else
             f"{previous}: every row it held was measured again; replaced whole")
@@ -192,16 +192,15 @@ def run_suite(name: str, options: BenchOptions, *, command: str | None = None, l
     return report, paths
 
 
-def _refuse_foreign_merge(options: BenchOptions, out: Path, name: str, label: str) -> None:
-    """``--merge`` into the report of another suite or device fails now, before the suite runs."""
+def _merge_target(options: BenchOptions, out: Path, name: str, label: str) -> Report | None:
+    """The report ``--merge`` folds this run into (None: no ``--merge``, or no report yet);
+    one of another suite or device is refused now, before the suite runs."""
     previous = out.with_name(out.name + ".json")
     if not (options.merge and previous.exists()):
-        return
+        return None
     held = read_report(previous)
-    for what, a, b in (("suite", held.suite, name), ("device", held.header.get("device_label"), label)):
-        if a != b:
-            raise ValueError(f"cannot merge a report of {what} {b!r} into one of {what} {a!r} ({previous}); nothing "
-                             "was measured. Give --out a report of the same suite and device, or leave --merge out")
+    refuse_foreign_merge(held, name, label, where=f" ({previous}); nothing was measured")
+    return held
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
