@@ -23,7 +23,7 @@ from revtrain.tasks import Task, get_task, task_for
 from revtrain.train.config import ConfigError
 from revtrain.train.user_model import build_from_path, is_import_path
 
-__all__ = ["ModelFit", "build_model", "fit_model_to_data", "is_registered", "overrides_of", "text_window", "MODEL_OVERRIDES"]
+__all__ = ["ModelFit", "build_model", "fit_model_to_data", "is_registered", "build_kwargs", "text_window", "MODEL_OVERRIDES"]
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,10 @@ def fit_model_to_data(model: str, task: str | None, info: DatasetInfo, sample_in
     if chosen.input_kind != spec.kind:
         raise ConfigError(f"--task {chosen.name} trains on {chosen.input_kind} inputs and model {model} takes "
                           f"{spec.kind} inputs; drop --task to use the model's own task")
-    return ModelFit(spec=spec, overrides=overrides_of(model, spec), task=chosen)
+    return ModelFit(spec=spec, overrides=build_kwargs(model, spec), task=chosen)
 
 
-def overrides_of(model: str, spec: InputSpec) -> dict[str, Any]:
+def build_kwargs(model: str, spec: InputSpec) -> dict[str, Any]:
     """The ``create_model`` / factory keyword arguments that build ``model`` for inputs of
     ``spec``: the registry's (a ViT also gets its image size), or the kind's for a factory."""
     return overrides_for(model, spec) if is_registered(model) else MODEL_OVERRIDES[spec.kind](spec)

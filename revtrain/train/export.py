@@ -36,7 +36,7 @@ from revtrain._version import __version__
 from revtrain.core import set_modes, set_rebuild_checks
 from revtrain.models.inputs import InputSpec
 from revtrain.tasks import get_task
-from revtrain.train.build import build_model, is_registered, overrides_of
+from revtrain.train.build import build_model, is_registered, build_kwargs
 from revtrain.train.checkpoint import IncompatibleCheckpointError
 from revtrain.train.checkpoint_folder import checkpoint_of, read_checkpoint
 from revtrain.train.files import atomic_write, atomic_write_text
@@ -62,7 +62,7 @@ def model_recipe(state: dict[str, Any]) -> ModelRecipe:
                      dtype=torch.float32 if kind == "image" else torch.long)
     return {
         "format": EXPORT_FORMAT, "version": EXPORT_VERSION, "model": state["model_name"],
-        "kwargs": overrides_of(state["model_name"], spec),
+        "kwargs": build_kwargs(state["model_name"], spec),
         "input": {"kind": kind, "shape": list(spec.shape), "num_classes": spec.num_classes},
         "modes": dict(state.get("modes") or {}), "check_every": config.get("check_every"), "task": task,
         "data": {k: data.get(k) for k in ("name", "mean", "std", "class_names")},
